@@ -1,0 +1,132 @@
+"""Cost of a rope-ext patch, measured side by side in one run on the embedded SmolLM2.
+
+1. Forward time at --length tokens: rope_ext.patch(model, m) vs the same weights built by
+   transformers from the native config, for every method transformers also has. Variants are
+   interleaved and the median of --repeats runs is compared, so machine noise hits both sides.
+2. Decode cost of the KV-cache fix for dynamic NTK: tokens/s of greedy decoding after a
+   --decode-context prefill, past the window, for plain RoPE, transformers' `dynamic` (fast but
+   inconsistent with a full forward) and rope-ext `dynamic` (consistent) at granularity 1 and 64.
+   To be past the window without a 9k-token prefill, every decode variant uses a window of
+   --decode-context // 2 (`original_window=` for rope-ext, max_position_embeddings for transformers).
+
+    python bench/overhead.py            # ~10 min on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import rope_ext
+from rope_ext.defaults import gutenberg_text, load_smollm2
+
+FACTOR = 4.0
+
+
+def native_variant(model, rope_parameters: dict, max_position_embeddings: int):
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = {"rope_theta": model.config.rope_parameters["rope_theta"], **rope_parameters}
+    config.max_position_embeddings = max_position_embeddings
+    native = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    native.load_state_dict(model.state_dict())
+    return native
+
+
+def patched_variant(model, method: str, **params):
+    patched = copy.deepcopy(model)
+    rope_ext.patch(patched, method, factor=FACTOR, **params)
+    return patched
+
+
+@torch.inference_mode()
+def forward_seconds(model, ids) -> float:
+    start = time.perf_counter()
+    model.model(ids)  # the decoder only: the LM head is identical on both sides
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model, ids, context: int, steps: int) -> float:
+    cache = DynamicCache(config=model.config)
+    out = model(ids[:, :context], cache=cache, use_cache=True)
+    token = out.logits[:, -1:].argmax(-1)
+    start = time.perf_counter()
+    for _ in range(steps):
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    return steps / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--decode-context", type=int, default=2048)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=Path("results/bench_overhead.json"))
+    args = parser.parse_args()
+
+    model, tokenizer = load_smollm2()
+    window = model.config.max_position_embeddings
+    ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : max(args.length, args.decode_context + 1)]
+    results: dict = {"torch_threads": torch.get_num_threads(), "length": args.length, "forward": {}, "decode": {}}
+
+    pairs = {
+        "linear": (patched_variant(model, "linear"), native_variant(model, {"rope_type": "linear", "factor": FACTOR}, window)),
+        "dynamic (causal=False)": (
+            patched_variant(model, "dynamic", causal=False),
+            native_variant(model, {"rope_type": "dynamic", "factor": FACTOR}, window),
+        ),
+        "yarn": (
+            patched_variant(model, "yarn"),
+            native_variant(model, {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": window}, int(FACTOR * window)),
+        ),
+        "llama3": (
+            patched_variant(model, "llama3"),
+            native_variant(model, {"rope_type": "llama3", "factor": FACTOR, "original_max_position_embeddings": window,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}, int(FACTOR * window)),
+        ),
+    }
+    x = ids[:, : args.length]
+    times = {name: ([], []) for name in pairs}
+    for _ in tqdm(range(args.repeats), desc=f"forward x{args.length}"):
+        for name, (patched, native) in pairs.items():
+            times[name][0].append(forward_seconds(patched, x))
+            times[name][1].append(forward_seconds(native, x))
+    for name, (ours, theirs) in times.items():
+        ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
+        results["forward"][name] = {"rope_ext_s": ours_s, "native_s": theirs_s, "ratio": ours_s / theirs_s}
+
+    small = args.decode_context // 2
+    decoders = {
+        "plain RoPE": model,
+        "transformers dynamic": native_variant(model, {"rope_type": "dynamic", "factor": FACTOR}, small),
+        "rope-ext dynamic (granularity 1)": patched_variant(model, "dynamic", original_window=small),
+        "rope-ext dynamic (granularity 64)": patched_variant(model, "dynamic", original_window=small, granularity=64),
+    }
+    for name, decoder in tqdm(decoders.items(), desc=f"decode after {args.decode_context}"):
+        results["decode"][name] = decode_tokens_per_s(decoder, ids, args.decode_context, args.decode_steps)
+
+    print(f"\nForward at {args.length} tokens, median of {args.repeats} (torch threads: {results['torch_threads']})")
+    print("| method | rope-ext s | transformers s | ratio |\n|---|---|---|---|")
+    for name, row in results["forward"].items():
+        print(f"| {name} | {row['rope_ext_s']:.2f} | {row['native_s']:.2f} | {row['ratio']:.3f} |")
+    plain = results["decode"]["plain RoPE"]
+    print(f"\nGreedy decode after a {args.decode_context}-token prefill, window {small} ({args.decode_steps} steps)")
+    print("| variant | tokens/s | vs plain |\n|---|---|---|")
+    for name, rate in results["decode"].items():
+        print(f"| {name} | {rate:.2f} | {rate / plain:.2f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

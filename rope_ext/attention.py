@@ -1,0 +1,162 @@
+"""Attention functions that rope-ext registers with transformers' AttentionInterface.
+
+A registered name `rope_ext_<base>` (e.g. `rope_ext_sdpa`) wraps the model's chosen backend: each
+attention module carries a `rope_ext_attention` callable, an `AttentionChain` of transforms that
+each change (query, key, value, mask) and hand them on; the last one hands them to the backend.
+The same mask function as the backend's is registered under the new name, so causal and padding
+masks are built exactly as before.
+
+A patch's chain, in order: the rotation of dynamic methods (`RotateInAttention`), then what a
+method adds to the logits (alibi_hybrid's bias, rope_ext.patches.alibi). The bias comes last
+because it is defined on the queries and keys the backend finally sees.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .rotary import ExtendedRotaryEmbedding, apply_rotary, cos_sin
+
+PREFIX = "rope_ext_"
+
+
+def backend(module: torch.nn.Module, name: str) -> Callable:
+    """The attention function transformers would call for `name` on this module."""
+    if name == "eager":
+        # Each model file defines its own eager function; use the one of this module's model.
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def registered_name(base: str) -> str:
+    """Register (once) and return the rope-ext wrapper name for backend `base`."""
+    if base.startswith(PREFIX):
+        raise ValueError(f"attention backend {base!r} is already a rope-ext wrapper")
+    if base != "eager" and base not in ALL_ATTENTION_FUNCTIONS:
+        raise ValueError(f"unknown attention implementation {base!r}")
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise ValueError(f"attention implementation {base!r} has no mask function rope-ext can reuse")
+    name = PREFIX + base
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return module.rope_ext_attention(module, query, key, value, attention_mask, backend(module, base), **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+def base_name(name: str) -> str:
+    return name.removeprefix(PREFIX)
+
+
+class AttentionTransform:
+    """One step of an AttentionChain: `__call__(module, query, key, value, attention_mask, attend,
+    **kwargs)` returns what `attend` (the rest of the chain, then the backend) returns for the
+    tensors it passes on. `attach`/`detach` add and remove what the step keeps on the model
+    (hooks, parameters) when the patch is installed and removed. A transform with `rotates` set
+    applies the rotary embedding itself and takes the place of RotateInAttention."""
+
+    rotates = False
+
+    def attach(self, site) -> None:
+        pass
+
+    def detach(self, site) -> None:
+        pass
+
+
+class AttentionChain:
+    """What `module.rope_ext_attention` holds: transforms applied in order, each receiving the rest
+    of the chain as its `attend`."""
+
+    def __init__(self, transforms: list[AttentionTransform]):
+        if not transforms:
+            raise ValueError("an attention chain needs at least one transform")
+        self.transforms = tuple(transforms)
+
+    def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        for transform in reversed(self.transforms):
+            attend = _bind(transform, attend)
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def _bind(transform: AttentionTransform, attend: Callable) -> Callable:
+    def step(module, query, key, value, attention_mask, **kwargs):
+        return transform(module, query, key, value, attention_mask, attend, **kwargs)
+
+    return step
+
+
+class RotateInAttention(AttentionTransform):
+    """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py).
+
+    Queries that use different scalings (causal schedule past the window) are attended in groups,
+    each against keys rotated with that group's scaling; causality is by index, as in the model."""
+
+    def __init__(self, rotary: ExtendedRotaryEmbedding):
+        self.rotary = rotary
+        self._hooks: list = []
+
+    def attach(self, site) -> None:
+        """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding)."""
+        rotary = self.rotary
+        self._hooks = [
+            site.decoder.register_forward_pre_hook(lambda m, a, kw: rotary.before_forward(kw.get("cache")), with_kwargs=True),
+            site.decoder.register_forward_hook(lambda m, a, kw, out: rotary.after_forward(getattr(out, "cache", None)), with_kwargs=True),
+        ]
+
+    def detach(self, site) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        frame = self.rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        k_pos = frame.k_pos
+        if k_pos.shape[-1] != kv_len:
+            if k_pos.shape[-1] < kv_len:
+                raise RuntimeError(
+                    f"rope_ext: the KV cache returned {kv_len} keys but {k_pos.shape[-1]} were written; "
+                    "static (pre-allocated) caches are not supported with dynamic methods"
+                )
+            k_pos = k_pos[..., -kv_len:]  # sliding-window caches return only the most recent keys
+        lengths = frame.lengths
+        groups = torch.unique(lengths).tolist()
+        if len(groups) == 1:
+            return self._attend(module, query, key, value, attention_mask, attend, frame, k_pos, groups[0], kwargs)
+        offset = kv_len - q_len
+        out = None
+        for length in groups:
+            rows = (lengths == length).any(0).nonzero()
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            end = offset + hi  # keys past the group's last query are masked anyway
+            if attention_mask is not None:
+                mask = attention_mask[:, :, lo:hi, :end]
+            else:
+                q_idx = torch.arange(offset + lo, offset + hi, device=query.device)
+                allowed = torch.arange(end, device=query.device)[None, :] <= q_idx[:, None]
+                mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+                mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+            sub_frame = type(frame)(frame.q_pos[:, lo:hi], k_pos[:, :end], lengths[:, lo:hi], frame.angles)
+            part, _ = self._attend(
+                module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, sub_frame, k_pos[:, :end], length, kwargs
+            )
+            if out is None:
+                out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
+            chosen = (lengths[:, lo:hi] == length)[..., None, None]
+            out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
+        return out, None
+
+    def _attend(self, module, query, key, value, mask, attend, frame, k_pos, length, kwargs):
+        inv_freq, scale = frame.angles(length)
+        layout = self.rotary.geometry.layout
+        q_cos, q_sin = cos_sin(inv_freq, scale, frame.q_pos, query.dtype)
+        k_cos, k_sin = cos_sin(inv_freq, scale, k_pos, key.dtype)
+        return attend(module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs)

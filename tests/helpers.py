@@ -1,0 +1,51 @@
+"""Small random-weight models for tests that check plumbing and exactness (not quality)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+WINDOW = 64
+
+SHAPES = {
+    "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+    "mistral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, sliding_window=None),
+    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1, head_dim=16),
+    "qwen2": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+    "qwen3": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, head_dim=16),
+}
+
+
+def random_config(model_type: str = "llama", attn: str = "sdpa", rope_parameters: dict | None = None, **overrides):
+    shape = {"max_position_embeddings": WINDOW, **SHAPES[model_type], **overrides}
+    config = AutoConfig.for_model(
+        model_type, num_hidden_layers=2, vocab_size=97,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}, **shape,
+    )
+    config._attn_implementation = attn
+    return config
+
+
+def random_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(random_config(model_type, attn, **overrides)).eval()
+
+
+def native_twin(model, rope_parameters: dict, max_position_embeddings: int | None = None):
+    """A model with the same weights, built by transformers from a config carrying `rope_parameters`."""
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "rope_ext"):
+        del config.rope_ext
+    config.rope_parameters = rope_parameters
+    config.max_position_embeddings = max_position_embeddings or config.max_position_embeddings
+    config._attn_implementation = "sdpa"
+    twin = AutoModelForCausalLM.from_config(config).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@torch.no_grad()
+def logits(model, ids):
+    return model(ids).logits

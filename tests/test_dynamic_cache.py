@@ -1,0 +1,96 @@
+"""Dynamic methods under the KV cache: decoding token by token past the window must give the same
+logits as a full forward over the same prefix (transformers issue #25104)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import rope_ext
+
+from helpers import WINDOW, native_twin, random_model
+
+
+@torch.no_grad()
+def worst_decode_gap(model, ids, prefill, check_every=7):
+    """Max |decode logits - full-forward logits| over decode steps from `prefill` to the end."""
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :prefill], cache=cache, use_cache=True)
+    worst = 0.0
+    for t in range(prefill, ids.shape[1]):
+        step = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
+        if (t - prefill) % check_every == 0 or t == ids.shape[1] - 1:
+            full = model(ids[:, : t + 1]).logits[0, -1]
+            worst = max(worst, (step - full).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_trained_model_decode_equals_full_forward(tiny_model, heldout_ids, method, attn):
+    tiny_model.set_attn_implementation(attn)
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, method, factor=4)
+    ids = heldout_ids[None, : 3 * window]
+    assert worst_decode_gap(tiny_model, ids, prefill=window - 8) <= 1e-4
+
+
+def test_transformers_native_dynamic_fails_the_same_check(tiny_model, heldout_ids):
+    """The bug we fix, measured on the same model: native dynamic drifts past the window."""
+    window = tiny_model.config.max_position_embeddings
+    native = native_twin(tiny_model, {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    ids = heldout_ids[None, : 3 * window]
+    assert worst_decode_gap(native, ids, prefill=window - 8) > 1e-2
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_decode_equals_full_forward_on_other_families(family):
+    model = random_model(family)
+    rope_ext.patch(model, "dynamic", factor=4, granularity=4)
+    ids = torch.randint(0, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    assert worst_decode_gap(model, ids, prefill=WINDOW // 2, check_every=13) <= 1e-5
+
+
+@pytest.mark.parametrize("granularity", [1, 16])
+def test_chunked_prefill_equals_one_forward(tiny_model, heldout_ids, granularity):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=granularity)
+    ids = heldout_ids[None, : 4 * window]
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = DynamicCache(config=tiny_model.config)
+        chunks = [tiny_model(chunk, cache=cache, use_cache=True).logits for chunk in ids.split(window - 3, dim=1)]
+    assert (torch.cat(chunks, dim=1) - full).abs().max() <= 1e-4
+
+
+def test_causal_schedule_makes_early_logits_independent_of_later_tokens(tiny_model, heldout_ids):
+    """transformers' dynamic rescales every token for the longest one, so appending text changes
+    the model's predictions for text it has already read; the causal schedule does not."""
+    window = tiny_model.config.max_position_embeddings
+    ids = heldout_ids[None, : 4 * window]
+    causal = copy.deepcopy(tiny_model)
+    rope_ext.patch(causal, "dynamic", factor=4)
+    rope_ext.patch(tiny_model, "dynamic", factor=4, causal=False)
+    with torch.no_grad():
+        for model, expect_equal in ((causal, True), (tiny_model, False)):
+            short = model(ids[:, : 2 * window]).logits
+            long = model(ids).logits[:, : 2 * window]
+            assert torch.allclose(short, long, atol=1e-4) == expect_equal
+
+
+def test_greedy_generate_with_left_padding_matches_single_rows(tiny_model, tiny_tokenizer, heldout_ids):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, "dynamic", factor=4)
+    pad = tiny_tokenizer.pad_token_id
+    long, short = heldout_ids[: window + 20], heldout_ids[1000 : 1000 + window - 10]
+    batch = torch.full((2, len(long)), pad)
+    batch[0] = long
+    batch[1, -len(short):] = short
+    mask = (torch.arange(len(long))[None] >= torch.tensor([[0], [len(long) - len(short)]])).long()
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=pad)
+    with torch.no_grad():
+        together = tiny_model.generate(batch, attention_mask=mask, **settings)[:, len(long):]
+        alone = [tiny_model.generate(row[None], **settings)[0, len(row):] for row in (long, short)]
+    assert torch.equal(together[0], alone[0])
+    assert torch.equal(together[1], alone[1])

@@ -1,0 +1,111 @@
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import rope_ext
+from rope_ext import scaling as M
+from rope_ext.geometry import RotaryGeometry
+
+GEOMETRIES = [RotaryGeometry(64, 1e5, 8192), RotaryGeometry(16, 1e4, 128), RotaryGeometry(128, 5e5, 8192)]
+
+
+def hf_config(geom, rope):
+    return LlamaConfig(
+        hidden_size=geom.rotary_dim * 2, num_attention_heads=2, head_dim=geom.rotary_dim,
+        max_position_embeddings=geom.original_window, rope_parameters={"rope_theta": geom.base, **rope},
+    )
+
+
+@pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
+@pytest.mark.parametrize(
+    "method,rope,seq_len",
+    [
+        ("linear", {"rope_type": "linear", "factor": 4.0}, None),
+        ("yarn", {"rope_type": "yarn", "factor": 4.0}, None),
+        ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, None),
+        ("dynamic", {"rope_type": "dynamic", "factor": 4.0}, 3),
+        ("dynamic", {"rope_type": "dynamic", "factor": 4.0}, 0.5),
+    ],
+)
+def test_frequencies_match_transformers_bit_for_bit(geom, method, rope, seq_len):
+    if rope["rope_type"] in ("yarn", "llama3"):
+        rope = {**rope, "original_max_position_embeddings": geom.original_window}
+    length = None if seq_len is None else int(seq_len * geom.original_window)
+    native, native_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](
+        hf_config(geom, rope), None, seq_len=None if length is None else torch.tensor(length)
+    )
+    spec = M.get(method)
+    ours, factor = spec(geom, length, rope["factor"], spec.validate(rope["factor"], {}))
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, native)
+    assert factor == native_factor
+
+
+def test_ntk_base_formula():
+    geom = GEOMETRIES[0]
+    inv, _ = M.ntk(geom, factor=4)
+    base = 1e5 * 4 ** (64 / 62)
+    assert torch.allclose(inv, 1.0 / base ** (torch.arange(0, 64, 2).float() / 64), rtol=1e-6)
+    # NTK keeps the highest frequency and divides the lowest by exactly s.
+    default = M.default_inv_freq(geom)
+    assert inv[0] == default[0]
+    # the lowest pair (exponent (D-2)/D) is slowed by s^((D/(D-2)) * (D-2)/D) = s exactly
+    assert math.isclose(float(default[-1] / inv[-1]), 4, rel_tol=1e-5)
+
+
+def test_by_parts_ramp_keeps_high_and_interpolates_low_frequencies():
+    geom = GEOMETRIES[0]
+    inv, temperature = M.ntk_by_parts(geom, factor=8)
+    default = M.default_inv_freq(geom)
+    assert temperature == 1.0
+    assert torch.equal(inv[:5], default[:5])  # rotate > 32 times in the window: kept
+    assert torch.allclose(inv[-3:], default[-3:] / 8)  # rotate < once: interpolated
+    assert M.yarn(geom, factor=8)[1] == pytest.approx(0.1 * math.log(8) + 1)
+
+
+def test_dynamic_is_identity_inside_the_window_and_grows_past_it():
+    geom = GEOMETRIES[1]
+    default = M.default_inv_freq(geom)
+    for method in ("dynamic", "dynamic_yarn"):
+        spec = M.get(method)
+        params = spec.validate(4, {})
+        assert torch.equal(spec(geom, geom.original_window, 4, params)[0], default)
+        assert spec(geom, geom.original_window, 4, params)[1] == 1.0
+        longer = spec(geom, 4 * geom.original_window, 4, params)[0]
+        assert (longer[1:] < default[1:]).all()
+
+
+def test_registry_lists_methods_with_parameters():
+    listed = rope_ext.methods()
+    assert set(listed) >= {"linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"}
+    assert listed["yarn"]["params"]["beta_fast"] == 32.0
+    assert listed["dynamic"]["dynamic"] and not listed["ntk"]["dynamic"]
+    assert listed["dynamic"]["params"]["causal"] is True
+
+
+@pytest.mark.parametrize(
+    "factor,params,match",
+    [
+        (1.0, {}, "factor"), (0.5, {}, "factor"), (float("nan"), {}, "factor"), (float("inf"), {}, "factor"),
+        ("4", {}, "factor"), (4, {"beta": 3}, "unknown parameter"), (4, {"beta_fast": 1, "beta_slow": 2}, "beta_fast"),
+        (4, {"beta_fast": float("nan")}, "finite"),
+    ],
+)
+def test_validation_rejects_bad_parameters(factor, params, match):
+    with pytest.raises(ValueError, match=match):
+        M.get("yarn").validate(factor, params)
+
+
+def test_unknown_method_lists_valid_ones():
+    with pytest.raises(ValueError, match="valid methods: linear, ntk"):
+        M.get("rope2")
+
+
+def test_alibi_slopes():
+    assert torch.allclose(M.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+    twelve = M.alibi_slopes(12)
+    assert torch.allclose(twelve[:8], M.alibi_slopes(8))
+    assert torch.allclose(twelve[8:], torch.tensor([2.0 ** (-(2 * k - 1) / 2) for k in range(1, 5)]))
