@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("results/bench_overhead.json"))
+    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2()
@@ -124,7 +124,8 @@ def main() -> None:
     for name, rate in results["decode"].items():
         print(f"| {name} | {rate:.2f} | {rate / plain:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    with open(args.out, "x") as f:  # never replace an earlier measurement
+        json.dump(results, f, indent=2)
     print(f"\nwrote {args.out}")
 
 

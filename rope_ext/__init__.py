@@ -5,6 +5,8 @@ position embedding for a scaled variant, reversibly.
     rope_ext.unpatch(model)
 """
 
+from .chunked import chunked_forward, chunked_generate, chunked_nll
+from .lora import load_finetuned
 from .patching import PatchInfo, describe, from_pretrained, method_specs, patch, unpatch
 
 __version__ = "0.1.0"
@@ -18,4 +20,7 @@ def methods() -> dict[str, dict]:
     }
 
 
-__all__ = ["PatchInfo", "describe", "from_pretrained", "methods", "patch", "unpatch"]
+__all__ = [
+    "PatchInfo", "chunked_forward", "chunked_generate", "chunked_nll", "describe", "from_pretrained", "load_finetuned", "methods", "patch",
+    "unpatch",
+]

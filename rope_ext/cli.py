@@ -11,6 +11,7 @@ import sys
 COMMANDS = {
     "demo": ("rope_ext.demo", "SmolLM2 past its window: plain vs patched perplexity (offline)"),
     "methods": ("rope_ext.cli", "list the scaling methods and their parameters"),
+    "convert-chatglm": ("rope_ext.convert_chatglm", "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
 }
 
 

@@ -148,10 +148,18 @@ def describe(model: nn.Module) -> dict | None:
 
 
 def from_pretrained(path, **kwargs) -> nn.Module:
-    """Load a causal LM saved after `patch` and re-apply the recorded patch. Keyword arguments go
-    to `AutoModelForCausalLM.from_pretrained`; `trust_remote_code` is never turned on here."""
+    """Load a causal LM saved after `patch` and re-apply the recorded patch; a LoRA fine-tune
+    folder written by recipes/finetune.py is rebuilt as base -> patch -> adapter. Keyword
+    arguments go to `AutoModelForCausalLM.from_pretrained`; `trust_remote_code` is never turned on
+    here."""
+    from pathlib import Path
+
     from transformers import AutoModelForCausalLM
 
+    from .lora import RECORD_FILE, load_finetuned
+
+    if (Path(path) / RECORD_FILE).is_file():
+        return load_finetuned(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     saved = getattr(model.config, CONFIG_KEY, None)
     if saved:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 WINDOW = 64
@@ -49,3 +51,23 @@ def native_twin(model, rope_parameters: dict, max_position_embeddings: int | Non
 @torch.no_grad()
 def logits(model, ids):
     return model(ids).logits
+
+
+N_SEQUENCES = 16  # evenly spaced over the four held-out plays
+
+
+def heldout_sequences(ids: torch.LongTensor, length: int, n: int = N_SEQUENCES) -> torch.LongTensor:
+    """n evenly spaced slices of length+1 tokens: inputs and their next-token targets."""
+    starts = torch.linspace(0, len(ids) - length - 1, n).long().tolist()
+    return torch.stack([ids[s : s + length + 1] for s in starts])
+
+
+@torch.no_grad()
+def token_nll(model, sequences: torch.LongTensor) -> torch.Tensor:
+    """Per-token next-token NLL, [n, length]."""
+    logits = model(input_ids=sequences[:, :-1]).logits
+    return F.cross_entropy(logits.transpose(1, 2), sequences[:, 1:], reduction="none")
+
+
+def ppl(nll: torch.Tensor) -> float:
+    return math.exp(nll.mean().item())

@@ -1,37 +1,38 @@
-"""Context extension on a model that was actually trained (the tiny Gutenberg LLaMA, window W):
-past the window the scaled methods must read text better than plain RoPE, and inside it the
-dynamic methods must be the unpatched model exactly."""
+"""Context extension through rope_ext.patch on a model that was actually trained (the tiny
+Gutenberg LLaMA, window W): past the window the scaled methods must read held-out text better
+than plain RoPE, and inside it the dynamic methods must be the unpatched model exactly.
+
+Protocol as in test_tiny_model.py (which proves the fixture has the effect with transformers'
+own rope types): 4W-long held-out sequences, one forward each, positions W..4W-1 scored."""
 
 import pytest
 import torch
 
 import rope_ext
-from rope_ext.evals.data import Document
-from rope_ext.evals.perplexity import evaluate
 
+from helpers import heldout_sequences, ppl, token_nll
 
-def perplexity(model, heldout_ids, length, n_windows=6):
-    """Token-level PPL of `n_windows` non-overlapping held-out windows of `length` tokens."""
-    doc = Document("heldout", heldout_ids[: n_windows * length])
-    return evaluate(model, [doc], [length], progress=False)[length]["ppl"]
+FACTOR = 4
 
 
 @pytest.fixture(scope="module")
-def plain_at_4x(tiny_path, heldout_ids):
+def plain_beyond_window(tiny_path, heldout_ids):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
     window = model.config.max_position_embeddings
-    return window, perplexity(model, heldout_ids, window), perplexity(model, heldout_ids, 4 * window)
+    sequences = heldout_sequences(heldout_ids, FACTOR * window)
+    return window, sequences, ppl(token_nll(model, sequences)[:, window:])
 
 
-@pytest.mark.parametrize("method", ["ntk", "dynamic", "yarn"])
-def test_scaled_methods_beat_plain_rope_at_4x_the_window(tiny_model, heldout_ids, plain_at_4x, method):
-    window, plain_1x, plain_4x = plain_at_4x
-    assert plain_4x > 1.5 * plain_1x, "plain RoPE should break past the window of the fixture"
-    rope_ext.patch(tiny_model, method, factor=4)
-    scaled_4x = perplexity(tiny_model, heldout_ids, 4 * window)
-    assert scaled_4x < 0.8 * plain_4x, (method, scaled_4x, plain_4x)
+# linear (PI) is left out: without a fine-tune it loses to plain RoPE here (86 vs 70), as it
+# does on SmolLM2; recipes/finetune.py is what makes it work.
+@pytest.mark.parametrize("method", ["ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
+def test_scaled_methods_beat_plain_rope_at_4x_the_window(tiny_model, plain_beyond_window, method):
+    window, sequences, plain = plain_beyond_window
+    rope_ext.patch(tiny_model, method, factor=FACTOR)
+    scaled = ppl(token_nll(tiny_model, sequences)[:, window:])
+    assert scaled < 0.9 * plain, (method, scaled, plain)
 
 
 @pytest.mark.parametrize("params", [{}, {"causal": False}, {"granularity": 32}])
@@ -41,6 +42,6 @@ def test_dynamic_methods_are_exact_inside_the_window(tiny_model, heldout_ids, me
     ids = heldout_ids[None, :window]
     with torch.no_grad():
         plain = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, method, factor=4, **params)
+        rope_ext.patch(tiny_model, method, factor=FACTOR, **params)
         patched = tiny_model(ids).logits
     assert torch.equal(patched, plain)

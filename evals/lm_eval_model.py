@@ -1,0 +1,95 @@
+"""lm-evaluation-harness integration: a `rope_ext` model type and a `rope-ext lm-eval` command.
+
+    rope-ext lm-eval --model rope_ext --model_args pretrained=PATH,method=yarn,factor=4 \\
+        --tasks rope_ext_passkey,rope_ext_longppl --device cpu
+
+The model type loads a checkpoint like lm-eval's `hf` type, applies `rope_ext.patch` with the
+method, factor and method parameters found in model_args (`plain` or no method: unpatched; a
+checkpoint saved patched is re-patched as saved), and sets lm-eval's `max_length` to the patch's
+max_length, since lm-eval otherwise uses max_position_embeddings and left-truncates longer inputs
+without an error. `pretrained=smollm2` (or no pretrained) is the embedded SmolLM2-135M.
+
+`@register_model` only fills lm-eval's in-process registry, so the stock `lm_eval` command never
+sees this type (importing this module registers it; run it through `rope-ext lm-eval`, not
+`python -m`, which would register it twice): `main` adds the folder of the tasks shipped here
+(evals/tasks) to the task search path, and runs lm-eval's own command line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+import rope_ext
+
+from . import loading
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+log = logging.getLogger(__name__)
+
+
+def method_parameter_names(method: str) -> set[str]:
+    """The parameters `rope_ext.patch` accepts for `method`, besides factor."""
+    spec = rope_ext.methods()[method]
+    return set(spec["params"]) - {"factor"}
+
+
+@register_model("rope_ext")
+class RopeExtLM(HFLM):
+    """lm-eval's HF causal LM with a rope-ext patch applied after loading."""
+
+    def __init__(self, pretrained=loading.DEFAULT_MODEL, method: str | None = None, factor: float | None = None,
+                 original_window: int | None = None, max_length: int | None = None, device: str | None = None,
+                 **kwargs):
+        method = method or None
+        if method is not None:
+            loading.check_method(method, factor)
+        elif factor is not None:
+            raise ValueError("model_args: factor given without method")
+        names = method_parameter_names(method) if method not in (None, loading.PLAIN) else set()
+        params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if device is None or (str(device).startswith("cuda") and not _cuda()):
+            device = "cpu"  # lm-eval's default is cuda; a CPU-only machine would fail later, not here
+        super().__init__(pretrained=loading.resolve_pretrained(pretrained), device=device, max_length=max_length, **kwargs)
+        if method is None:
+            saved = getattr(self.model.config, "rope_ext", None)
+            self.patch_info = self._reapply(saved) if saved else None
+        else:
+            self.patch_info = loading.apply_method(self.model, method, factor, params, original_window)
+        if max_length is None and self.patch_info is not None:
+            self._max_length = self.patch_info.max_length
+        log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
+
+    def _reapply(self, saved: dict):
+        """A checkpoint saved after rope_ext.patch, loaded by transformers alone: patch it again."""
+        return rope_ext.patch(self.model, saved["method"], saved["factor"], **saved["params"])
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lm-eval`'s command line with the rope_ext model type registered and evals/tasks on the
+    task path (unless --include_path names another folder)."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv != ["run"] and "--include_path" not in argv and not {"-h", "--help"} & set(argv):
+        argv += ["--include_path", str(TASKS_DIR)]
+    setup_logging()
+    cli = HarnessCLI()
+    saved_argv = sys.argv
+    sys.argv = ["rope-ext lm-eval", *argv]
+    try:
+        cli.execute(cli.parse_args())
+    finally:
+        sys.argv = saved_argv
+    return 0

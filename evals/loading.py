@@ -1,0 +1,196 @@
+"""The model an eval command measures: load it, apply the requested rope-ext method, and know how
+many positions it is meant for."""
+
+from __future__ import annotations
+
+import ast
+import math
+import warnings
+from pathlib import Path
+
+import rope_ext
+
+PLAIN = "plain"  # the unpatched model
+DEFAULT_MODEL = "smollm2"  # the embedded checkpoint, where a name is expected
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_model_arguments(parser, *, method: bool = True) -> None:
+    """--model/--dtype/--device/--attn-implementation, and with `method` also
+    --method/--factor/--param/--original-window."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                       help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)")
+    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype (default: float32)")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
+    if method:
+        names = ", ".join([PLAIN, *rope_ext.methods()])
+        group.add_argument("--method", default=PLAIN, help=f"one of: {names} (default: plain = unpatched)")
+        group.add_argument("--factor", type=float, default=None, help="scale relative to the original window (required unless plain)")
+        group.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                           help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)")
+        group.add_argument("--original-window", type=int, default=None,
+                           help="the pretraining window, for checkpoints whose config does not record it")
+
+
+def parse_value(text: str):
+    """'4' -> 4, '0.5' -> 0.5, 'true' -> True, 'none' -> None, anything else stays a string."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_params(items: list[str]) -> dict:
+    """['beta_fast=16', 'causal=false'] -> {'beta_fast': 16, 'causal': False}."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--param expects KEY=VALUE, got {item!r}")
+        params[key.strip()] = parse_value(value)
+    return params
+
+
+def resolve_device(device: str | None) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
+def load_model(name: str | None = None, dtype: str = "float32", device: str | None = None, attn_implementation: str = "sdpa"):
+    """(model, tokenizer) in eval mode. `name` None is the embedded SmolLM2; a checkpoint saved
+    after `rope_ext.patch` comes back patched (rope_ext.from_pretrained)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch_dtype = getattr(torch, dtype)
+    device = resolve_device(device)
+    if name in (None, DEFAULT_MODEL):
+        from rope_ext.defaults import load_smollm2
+
+        model, tokenizer = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
+    else:
+        local = Path(name).expanduser()
+        if local.exists() and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: {local} exists but holds no config.json (not a checkpoint directory)")
+        try:
+            model = rope_ext.from_pretrained(str(local) if local.exists() else name, dtype=torch_dtype,
+                                             attn_implementation=attn_implementation)
+            tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else name)
+        except OSError as err:
+            raise FileNotFoundError(
+                f"cannot load model {name!r}: it is not a local checkpoint directory and the hub did not provide it ({err})"
+            ) from None
+    return model.to(device).eval(), tokenizer
+
+
+def resolve_pretrained(name: str | None) -> str:
+    """A checkpoint name with `smollm2` (or nothing) standing for the embedded SmolLM2's local copy."""
+    if name in (None, "", DEFAULT_MODEL):
+        from rope_ext.defaults import smollm2_path
+
+        return str(smollm2_path())
+    return name
+
+
+def apply_method(model, method: str = PLAIN, factor: float | None = None, params: dict | None = None,
+                 original_window: int | None = None):
+    """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo;
+    `plain` removes any patch and returns None."""
+    params = params or {}
+    if method == PLAIN:
+        if params or factor is not None:
+            raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
+        if patched(model):
+            rope_ext.unpatch(model)
+        return None
+    extra = {} if original_window is None else {"original_window": original_window}
+    return rope_ext.patch(model, method, factor=factor, **extra, **params)
+
+
+def check_method(method: str, factor: float | None) -> None:
+    """The cheap checks, done before a model is loaded."""
+    known = [PLAIN, *rope_ext.methods()]
+    if method not in known:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(known)}")
+    if method != PLAIN and factor is None:
+        raise ValueError(f"method {method!r} needs --factor (the scale relative to the original window, > 1)")
+
+
+def patched(model) -> dict | None:
+    """rope_ext.describe(model), or None for an unpatched or unsupported model."""
+    try:
+        return rope_ext.describe(model)
+    except ValueError:
+        return None
+
+
+def capacity(model) -> tuple[int, str]:
+    """(positions the model is meant for, a phrase saying why): a patch's max_length, else the
+    config's max_position_embeddings."""
+    described = patched(model)
+    if described is not None:
+        window = described["geometry"]["original_window"]
+        max_length = described.get("max_length") or math.ceil(window * described["factor"])
+        return max_length, f"{described['method']} x{described['factor']:g} of its {window}-token window"
+    config = model.config
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_length", None)
+    if limit is None:
+        raise ValueError(f"{type(model).__name__}: the config states no max_position_embeddings")
+    return int(limit), "unpatched"
+
+
+def warn_beyond_capacity(model, positions: int, what: str) -> bool:
+    """Warn when `positions` exceed what the model is meant for; True when it did."""
+    limit, why = capacity(model)
+    if positions <= limit:
+        return False
+    warnings.warn(
+        f"{what} needs {positions} positions but the model ({why}) is meant for {limit}: "
+        "expect the results past that point to break (this is what the patched methods fix)",
+        stacklevel=2,
+    )
+    return True
+
+
+def model_label(model) -> str:
+    """A short name for tables and plots: the checkpoint folder's name or the hub id."""
+    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    return Path(name).name if Path(name).is_absolute() else name
+
+
+def describe_setup(model, info, method: str, params: dict) -> dict:
+    """The model-and-method record every result file carries."""
+    limit, why = capacity(model)
+    return {
+        "model": model_label(model),
+        "method": method,
+        "factor": None if info is None else info.factor,
+        "params": params if info is None else dict(info.params),
+        "patch": None if info is None else info.to_dict(),
+        "capacity": limit,
+        "capacity_note": why,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def model_from_args(args):
+    """(model, tokenizer, PatchInfo | None, params) from the arguments add_model_arguments added."""
+    params = parse_params(args.param)
+    check_method(args.method, args.factor)
+    model, tokenizer = load_model(args.model, args.dtype, args.device, args.attn_implementation)
+    info = apply_method(model, args.method, args.factor, params, args.original_window)
+    return model, tokenizer, info, params

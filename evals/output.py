@@ -1,0 +1,92 @@
+"""Where eval results go: a folder per run holding JSON, a markdown table and plots. An existing
+result file is never replaced unless the user says --overwrite; the check runs before any
+compute, so a forgotten --output costs nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+DEFAULT_ROOT = "rope-ext-results"
+
+
+def add_output_arguments(parser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument("--output", default=None, metavar="DIR",
+                       help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)")
+    group.add_argument("--overwrite", action="store_true", help="replace result files that already exist in --output")
+    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+class ResultFolder:
+    """The files one run writes. `claim()` fails early when any of them exists; the folder is
+    created by the first write, so a run that fails before it leaves nothing behind."""
+
+    def __init__(self, folder: str | Path | None, command: str, names: list[str], overwrite: bool = False):
+        if folder is None:
+            folder = Path(DEFAULT_ROOT) / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.folder = Path(folder)
+        self.names = names
+        self.overwrite = overwrite
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def claim(self) -> "ResultFolder":
+        if self.folder.exists() and not self.folder.is_dir():
+            raise ValueError(f"--output {self.folder} is a file, not a folder")
+        existing = [n for n in self.names if self.path(n).exists()]
+        if existing and not self.overwrite:
+            raise FileExistsError(
+                f"{self.folder} already holds {', '.join(existing)}; pass --overwrite or choose another --output"
+            )
+        return self
+
+    def _open(self, name: str, binary: bool = False):
+        self.folder.mkdir(parents=True, exist_ok=True)  # only once there is something to write
+        mode = ("w" if self.overwrite else "x") + ("b" if binary else "")
+        return open(self.path(name), mode, **({} if binary else {"encoding": "utf-8"}))
+
+    def write_json(self, name: str, data) -> Path:
+        with self._open(name) as f:
+            json.dump(clean_json(data), f, indent=2)
+            f.write("\n")
+        return self.path(name)
+
+    def write_text(self, name: str, text: str) -> Path:
+        with self._open(name) as f:
+            f.write(text)
+        return self.path(name)
+
+    def save_figure(self, name: str, figure) -> Path:
+        with self._open(name, binary=True) as f:
+            figure.savefig(f, format="png", dpi=120, bbox_inches="tight")
+        return self.path(name)
+
+
+def clean_json(value):
+    """Infinite and NaN floats become None: strict JSON readers reject them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(v) for v in value]
+    return value
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def cell(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                return "inf" if v > 0 else "nan"
+            return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.2f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,216 @@
+"""Passkey retrieval (`rope-ext eval passkey`): the landmark-attention prompt, a grid of prompt
+lengths x key depths with seeded trials, greedy decoding, exact match of the key.
+
+The prompt (NOTES §5): a task line, filler sentences, the key line at the chosen depth of the
+filler, more filler, and the question; the model must continue "The pass key is" with the key.
+A prompt's length is its token count (special tokens the tokenizer adds included); it is the
+longest such prompt that fits in the requested length, so it falls short by less than one filler
+sentence. The key of each trial is drawn from 1..50000 by a generator seeded with
+(seed, length, depth, trial), so a cell's keys do not depend on the rest of the grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from . import loading, output
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there.")
+FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "What is the pass key? The pass key is"
+KEY_RANGE = (1, 50000)
+DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    ids: list  # token ids as the model receives them
+    key: int
+    length: int  # the requested length; len(ids) <= length
+    depth: float
+    filler_sentences: int
+
+
+def prompt_text(key: int, sentences: int, depth: float) -> str:
+    before = round(depth * sentences)
+    filler = [FILLER[i % len(FILLER)] for i in range(sentences)]
+    parts = [TASK, " ".join(filler[:before]), KEY_LINE.format(key=key), " ".join(filler[before:]), QUESTION]
+    return "\n".join(p for p in parts if p)
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: int) -> Prompt:
+    """The longest prompt with at most `length` tokens; ValueError when not even the prompt
+    without filler fits."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+
+    def encode(sentences: int) -> list:
+        return tokenizer(prompt_text(key, sentences, depth), verbose=False)["input_ids"]
+
+    bare = len(encode(0))
+    if bare > length:
+        raise ValueError(
+            f"passkey length {length} is too small: the prompt without any filler already has {bare} tokens"
+        )
+    low, high = 0, length  # every filler sentence has at least one token
+    while low < high:  # largest sentence count that still fits
+        mid = (low + high + 1) // 2
+        if len(encode(mid)) <= length:
+            low = mid
+        else:
+            high = mid - 1
+    return Prompt(prompt_text(key, low, depth), encode(low), key, length, depth, low)
+
+
+def minimum_length(tokenizer) -> int:
+    """Tokens of the prompt without filler (with the widest key): the shortest possible length."""
+    return len(tokenizer(prompt_text(KEY_RANGE[1], 0, 0.0), verbose=False)["input_ids"])
+
+
+def trial_key(seed: int, length: int, depth: float, trial: int) -> int:
+    return random.Random(f"{seed}:{length}:{depth}:{trial}").randint(*KEY_RANGE)
+
+
+def first_integer(text: str) -> int | None:
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+def model_answerer(model, tokenizer, max_new_tokens: int = 10):
+    """answer(prompt) -> the model's greedy continuation, decoded."""
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    device = model.get_output_embeddings().weight.device
+
+    @torch.inference_mode()
+    def answer(prompt: Prompt) -> str:
+        ids = torch.tensor([prompt.ids], device=device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    return answer
+
+
+def grid(lengths, depths, trials: int, limit: int | None = None) -> list[tuple[int, float, int]]:
+    """(length, depth, trial) cells, length varying fastest, so a --limit still covers every length."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    cells = [(n, d, t) for t in range(trials) for d in depths for n in lengths]
+    return cells if limit is None else cells[:limit]
+
+
+def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 5, seed: int = 0,
+               limit: int | None = None, progress: bool = True) -> dict:
+    """Run the grid; returns {"trials": [...], "accuracy": {length: {depth: acc}},
+    "by_length": {length: acc}, "accuracy_overall": acc}."""
+    lengths, depths = sorted(set(lengths)), sorted(set(depths))
+    if not lengths or not depths:
+        raise ValueError("give at least one length and one depth")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise ValueError(f"depths must be in [0, 1], got {d}")
+    for n in lengths:  # a length too small for the prompt fails here, before any trial runs
+        build_prompt(tokenizer, n, 0.0, KEY_RANGE[1])
+    records = []
+    for length, depth, trial in tqdm(grid(lengths, depths, trials, limit), desc="passkey", unit="trial",
+                                     disable=not progress, file=sys.stderr):
+        prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, trial))
+        text = answer(prompt)
+        predicted = first_integer(text)
+        records.append({"length": length, "depth": depth, "trial": trial, "key": prompt.key,
+                        "prompt_tokens": len(prompt.ids), "answer": text, "predicted": predicted,
+                        "correct": predicted == prompt.key})
+    return summarize(records)
+
+
+def summarize(records: list[dict]) -> dict:
+    cells, rows = {}, {}
+    for r in records:
+        cells.setdefault(r["length"], {}).setdefault(r["depth"], []).append(r["correct"])
+        rows.setdefault(r["length"], []).append(r["correct"])
+    accuracy = {n: {d: sum(v) / len(v) for d, v in sorted(by_depth.items())} for n, by_depth in sorted(cells.items())}
+    return {
+        "trials": records,
+        "accuracy": accuracy,
+        "by_length": {n: sum(v) / len(v) for n, v in sorted(rows.items())},
+        "accuracy_overall": sum(r["correct"] for r in records) / len(records) if records else None,
+    }
+
+
+def markdown(result: dict, setup: dict) -> str:
+    depths = sorted({d for row in result["accuracy"].values() for d in row})
+    rows = [[n] + [result["accuracy"][n].get(d) for d in depths] + [result["by_length"][n]] for n in result["accuracy"]]
+    head = (f"# Passkey retrieval: {setup['model']} ({setup['method']}"
+            + (f" x{setup['factor']:g}" if setup.get("factor") else "") + ")\n\n"
+            f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell, seed {setup['seed']}; "
+            f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy.\n\n")
+    return head + output.markdown_table(["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths"], rows)
+
+
+def default_lengths(model, tokenizer) -> list[int]:
+    """capacity/4, capacity/2 and capacity, leaving out those too short for the prompt."""
+    limit, _ = loading.capacity(model)
+    shortest = minimum_length(tokenizer)
+    return sorted({n for n in (limit // 4, limit // 2, limit) if n >= shortest} or {limit})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
+                        help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)")
+    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS), metavar="D",
+                        help="where the key sits in the filler, 0 = start, 1 = end (default: 0.1 0.3 0.5 0.7 0.9)")
+    parser.add_argument("--trials", type=int, default=5, help="trials per (length, depth) cell (default: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default: 0)")
+    parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
+    parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
+    loading.add_model_arguments(parser)
+    output.add_output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
+    model, tokenizer, info, params = loading.model_from_args(args)
+    lengths = args.lengths or default_lengths(model, tokenizer)
+    for n in sorted(lengths):
+        loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
+    started = time.perf_counter()
+    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens), tokenizer, lengths, args.depths,
+                        args.trials, args.seed, args.limit, progress=not args.no_progress)
+    setup = {**loading.describe_setup(model, info, args.method, params), "trials": args.trials, "seed": args.seed,
+             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 2)}
+    out.write_json("passkey.json", {"setup": setup, **result})
+    text = markdown(result, setup)
+    out.write_text("passkey.md", text)
+    from .plots import passkey_heatmap
+
+    label = setup["method"] + (f" x{setup['factor']:g}" if setup["factor"] else "")
+    out.save_figure("passkey.png", passkey_heatmap(result["accuracy"], f"Passkey retrieval: {label}"))
+    print(text)
+    print(f"results in {out.folder}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="rope-ext eval passkey", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""self_extend: SelfExtend's grouped attention (Jin et al. 2024, "LLM Maybe LongLM"), training-free.
+
+For a query at position i and a key at position j <= i, with group size G and neighbour window W:
+
+    i - j <  W:  the usual positions i and j                                   (neighbour attention)
+    i - j >= W:  key floor(j/G), query floor(i/G) + W - floor(W/G)             (grouped attention)
+
+and both kinds of logits share one softmax. Relative distances then never exceed what the model was
+trained on up to a length of G * (L - W + floor(W/G)) ~ (L - W) * G + W tokens, L the trained window.
+
+The rotary frequencies stay the trained ones. Under the causal schedule (the default) a query that
+has seen no more than L tokens attends exactly as the unpatched model, so everything inside the
+trained window is unchanged, and a query's output depends only on the tokens before it: a long
+input gives the same numbers in one forward, in chunks through the KV cache, and token by token.
+`causal=False` groups every query of a forward that goes past the window, as the paper does.
+
+Meaning of `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length).
+Give `group` and `window` and the factor is the capacity above, G * (L - W + W // G) / L; give a
+factor and the group is the smallest that reaches it; give both and the factor must not exceed
+the capacity. `window` defaults to L / 4.
+
+How it runs: the rotary module hands attention an identity rotation, so the KV cache keeps keys
+before rotation (the mechanism of the dynamic methods, rope_ext.rotary), and `GroupedAttention`
+rotates queries and keys twice, at their own and at their grouped positions. One backend call
+computes both kinds of logits in one softmax: queries are [q_own, q_grouped] and keys are
+[k_own, 0] for neighbours and [0, k_grouped] for distant tokens, so a dot product picks one pair
+(the doubled head size costs about twice the attention of the unpatched model past the window).
+Queries go in blocks whose scores stay under SCORE_BYTES, each with its own mask for only the keys
+it can see: no [L, L] tensor is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rope_ext.attention import RotateInAttention, base_name
+from rope_ext.geometry import RotaryGeometry
+from rope_ext.rotary import ExtendedRotaryEmbedding, apply_rotary, cos_sin
+from rope_ext.scaling import SCHEDULE_PARAMS, Method, default_inv_freq
+
+NAME = "self_extend"
+PARAMS = {"group": None, "window": None}
+SUMMARY = "SelfExtend: exact positions for neighbours, grouped positions for distant tokens"
+FORMULA = "i-j < W: positions (i, j); else (floor(i/G) + W - floor(W/G), floor(j/G)); one softmax"
+BACKENDS = ("eager", "sdpa")  # take a [B, 1, Sq, Sk] mask for the block-wise masks below
+
+# The largest attention-score block ([B, heads, rows, keys], fp32) one backend call may build.
+SCORE_BYTES = 128 << 20
+
+
+def capacity(window_tokens: int, group: int, window: int) -> int:
+    """Tokens a model trained on `window_tokens` reaches with group size G and neighbour window W:
+    the farthest grouped distance, floor(i/G) + W - floor(W/G), stays below the trained window."""
+    return group * (window_tokens - window + window // group)
+
+
+def _trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, group, window):
+    return default_inv_freq(geom), 1.0
+
+
+@dataclass(frozen=True)
+class SelfExtendMethod(Method):
+    """self_extend as a Method: the trained frequencies and SelfExtend's parameters. It is dynamic
+    in rope-ext's sense (what a query sees depends on the length it has seen), so the rotary module
+    keeps keys un-rotated; the grouped attention is installed as a transform (`GroupedAttention`)."""
+
+    def validate(self, factor, params: dict) -> dict:
+        unknown = sorted(set(params) - set(self.all_params))
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {unknown} for method {NAME!r}; allowed: {', '.join(self.all_params)}")
+        merged = {**self.all_params, **params}
+        for key in ("group", "window"):
+            value = merged[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{NAME}: {key} must be an int >= 1 (or None for the default), got {value!r}")
+        if merged["group"] is not None and merged["group"] < 2:
+            raise ValueError(f"{NAME}: group must be >= 2 (group 1 is the unpatched model), got {merged['group']}")
+        if factor is None and merged["group"] is None:
+            raise ValueError(f"{NAME} needs a factor (e.g. factor=4) or a group size (e.g. group=4)")
+        if not isinstance(merged["causal"], bool):
+            raise ValueError(f"{NAME}: causal must be True or False, got {merged['causal']!r}")
+        if merged["granularity"] != 1:
+            raise ValueError(
+                f"{NAME}: granularity does not apply (a query switches to grouped attention once it has seen more "
+                f"than the trained window); got {merged['granularity']!r}"
+            )
+        if factor is not None:
+            super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
+        return merged
+
+
+METHOD = SelfExtendMethod(NAME, _trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True)
+
+
+def resolve(adapter, site, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    """(factor, params with group and window filled in) for this model; ValueError, changing
+    nothing, when they do not fit its window or the model cannot run the grouped attention."""
+    from .llama import LlamaFamily
+
+    if not isinstance(adapter, LlamaFamily):
+        raise ValueError(
+            f"{NAME} needs attention that runs through transformers' AttentionInterface "
+            f"(transformers-native families); the {adapter.name!r} family does not"
+        )
+    backend = base_name(site.config._attn_implementation or "eager")
+    if backend not in BACKENDS:
+        raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {backend!r}")
+    trained = geometry.original_window
+    window = params["window"] if params["window"] is not None else max(1, trained // 4)
+    if window >= trained:
+        raise ValueError(f"{NAME}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
+    group = params["group"]
+    if group is None:
+        group = 2
+        while capacity(trained, group, window) < factor * trained:
+            group += 1
+    reach = capacity(trained, group, window)
+    if factor is None:
+        factor = reach / trained
+    elif reach < factor * trained * (1 - 1e-12):
+        raise ValueError(
+            f"{NAME}: group {group} with window {window} reaches {reach} tokens, less than factor {factor:g} x {trained}; "
+            "raise the group, lower the window or the factor"
+        )
+    if not factor > 1:
+        raise ValueError(f"{NAME}: group {group} with window {window} does not extend a {trained}-token window")
+    return float(factor), {**params, "group": group, "window": window}
+
+
+class GroupedAttention(RotateInAttention):
+    """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
+    keeps) and attends with SelfExtend's neighbour and grouped positions in one softmax. Causality
+    is by key index, as in the model: with left padding the real tokens are contiguous, so index
+    distances are position distances."""
+
+    rotates = True
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        rotary = self.rotary
+        frame = rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        k_pos = frame.k_pos
+        if k_pos.shape[-1] < kv_len:
+            raise RuntimeError(
+                f"rope_ext: the KV cache returned {kv_len} keys but {k_pos.shape[-1]} were written; "
+                f"static (pre-allocated) caches are not supported with {NAME}"
+            )
+        k_pos = k_pos[..., -kv_len:]
+        trained = rotary.geometry.original_window
+        group, window = rotary.params["group"], rotary.params["window"]
+        inv_freq, scale = frame.angles(trained)  # the trained frequencies
+        q_own = self._rotate(query, frame.q_pos, inv_freq, scale)
+        k_own = self._rotate(key, k_pos, inv_freq, scale)
+        extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
+        if not bool(extended.any()):
+            return attend(module, q_own, k_own, value, attention_mask, **kwargs)
+
+        offset = kv_len - q_len  # query row r is key index offset + r
+        first = int(extended.any(0).nonzero()[0])
+        q_group = self._rotate(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
+        k_group = self._rotate(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        queries = torch.cat((q_own, q_group), dim=-1)
+        neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
+        distant = torch.cat((torch.zeros_like(k_own), k_group), dim=-1)
+        if kwargs.get("scaling") is None:  # the backend's default would read the doubled width
+            kwargs["scaling"] = query.shape[-1] ** -0.5
+
+        outputs = []
+        if first:
+            outputs.append(self._exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
+        rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
+        for lo in range(first, q_len, rows):
+            hi = min(lo + rows, q_len)
+            outputs.append(self._grouped_rows(
+                module, queries, neighbours, distant, value, attention_mask, attend, extended, offset, lo, hi, window, kwargs
+            ))
+        return torch.cat(outputs, dim=1), None
+
+    def _exact_rows(self, module, q_own, k_own, value, mask, attend, offset, hi, kwargs):
+        """Rows [0, hi) attend with their own positions only (no query among them is past the window)."""
+        end = offset + hi
+        if mask is not None:
+            mask = mask[:, :, :hi, :end]
+        elif offset:  # sdpa's causal shortcut covers only a square block
+            q_index = torch.arange(offset, end, device=q_own.device)
+            causal = torch.arange(end, device=q_own.device)[None, :] <= q_index[:, None]
+            mask = self._additive(causal[None, None], None, q_own.dtype)
+        out, _ = attend(module, q_own[:, :, :hi], k_own[:, :, :end], value[:, :, :end], mask, **kwargs)
+        return out
+
+    def _grouped_rows(self, module, queries, neighbours, distant, value, mask, attend, extended, offset, lo, hi, window, kwargs):
+        """Query rows [lo, hi) against the distant keys they group ([0, far_end)) and the keys they see
+        with their own positions ([near_lo, end)), in one backend call."""
+        device = queries.device
+        end = offset + hi
+        q_index = torch.arange(offset + lo, end, device=device)  # [rows], as key indices
+        rows_extended = extended[:, lo:hi]  # [B, rows]
+        far_end = max(0, end - window)  # keys at distance >= window from the block's last query
+        # rows still inside the window see every earlier key with its own position
+        near_lo = 0 if not bool(rows_extended.all()) else max(0, offset + lo - window + 1)
+        far = torch.arange(far_end, device=device)
+        near = torch.arange(near_lo, end, device=device)
+        far_ok = rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None]
+        distance = q_index[:, None] - near[None, :]
+        near_ok = (distance >= 0)[None] & ((distance < window)[None] | ~rows_extended[:, :, None])
+        allowed = torch.cat((far_ok, near_ok), dim=-1)[:, None]  # [B, 1, rows, far + near]
+        given = None
+        if mask is not None:
+            given = torch.cat((mask[:, :, lo:hi, :far_end], mask[:, :, lo:hi, near_lo:end]), dim=-1)
+        keys = torch.cat((distant[:, :, :far_end], neighbours[:, :, near_lo:end]), dim=-2)
+        values = torch.cat((value[:, :, :far_end], value[:, :, near_lo:end]), dim=-2)
+        # values as wide as queries and keys: fused kernels (flash attention on CPU too) need one
+        # head size, and fall back to materialising the scores without it
+        values = torch.cat((values, torch.zeros_like(values)), dim=-1)
+        out, _ = attend(module, queries[:, :, lo:hi], keys, values, self._additive(allowed, given, queries.dtype), **kwargs)
+        return out[..., : value.shape[-1]]
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """An additive mask (what eager and sdpa both take): `given` (the model's mask: boolean, True
+        = attend, or additive) where `allowed`, the dtype's minimum elsewhere."""
+        low = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+        if given is None:
+            return torch.zeros((), dtype=dtype, device=allowed.device).where(allowed, low)
+        if given.dtype == torch.bool:
+            return torch.zeros((), dtype=dtype, device=allowed.device).where(allowed & given, low)
+        return given.to(dtype).where(allowed, low)

@@ -1,0 +1,167 @@
+"""Long inputs through the KV cache, one chunk at a time.
+
+    hidden, cache = rope_ext.chunked_forward(model, ids, chunk_size=4096)
+    nll = rope_ext.chunked_nll(model, ids, chunk_size=4096)        # -log p(ids[t+1] | ids[:t+1])
+    out = rope_ext.chunked_generate(model, ids, chunk_size=4096, max_new_tokens=32)
+
+A forward over L tokens holds L x L attention scores (or an L x L mask) and, through the LM head,
+L x vocab logits. Here the input goes through the model `chunk_size` tokens at a time, each chunk
+attending to the cached keys of the chunks before it, and the LM head runs on a bounded number of
+rows at a time: peak memory is the KV cache plus one chunk, never L x vocab.
+
+With a dynamic method (dynamic, dynamic_yarn) and self_extend the cache holds keys before
+rotation and every query rotates them with its own scaling (rope_ext.rotary), so the result is the
+same as one forward and as token-by-token decoding. Under the causal schedule each query uses the
+scaling for the length it has seen; patch with `granularity=chunk_size` to give each chunk one
+scaling, the length at its end ("dynamic scaling per chunk"), when the chunk size divides the
+original window. That is also what keeps it fast: queries with different scalings are attended in
+separate groups, one per scaling. With the
+unpatched model or a static method, the chunks give the numbers of a single forward too (the
+cached keys carry their final rotation).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import DynamicCache
+
+LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
+
+
+def _check(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError("input_ids must be an integer tensor of token ids")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [tokens] or [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}")
+    return input_ids
+
+
+def _warn_slow_schedule(model, chunk_size: int) -> None:
+    """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
+    from .patching import describe
+
+    try:
+        described = describe(model)
+    except ValueError:  # a model family rope-ext does not patch: nothing to check
+        return
+    # self_extend has no per-length scaling: one group per forward past the window
+    if described is None or described["method"] == "self_extend" or "granularity" not in described["params"]:
+        return
+    params = described["params"]
+    if params.get("causal", True) and params["granularity"] < chunk_size:
+        warnings.warn(
+            f"rope_ext: {described['method']} re-scales every {params['granularity']} token(s), so each "
+            f"{chunk_size}-token chunk past the window is attended in up to {chunk_size // params['granularity']} "
+            f"groups; patch with granularity={chunk_size} for one scaling per chunk",
+            stacklevel=4,
+        )
+
+
+@torch.no_grad()
+def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attention_mask: torch.Tensor | None = None,
+                    cache=None, keep_hidden: bool = True, on_chunk=None, progress: bool = False):
+    """Run `input_ids` [B, T] (or [T]) through the model body `chunk_size` tokens at a time.
+
+    Returns (hidden, cache): the final hidden states [B, T, hidden] (the LM head's input; None with
+    keep_hidden=False) and the KV cache holding all T tokens, ready for decoding. `attention_mask`
+    [B, T] marks padding (left padding, as for generate); positions then count real tokens only.
+    `cache` continues an earlier cache filled by this model without padding. `on_chunk(start,
+    hidden_chunk)` is called after each chunk, e.g. to score it and let it go (chunked_nll)."""
+    input_ids = _check(input_ids, chunk_size)
+    batch, length = input_ids.shape
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+    _warn_slow_schedule(model, chunk_size)
+    decoder = model.get_decoder()
+    device = model.get_input_embeddings().weight.device
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    past = cache.get_seq_length()
+    if attention_mask is not None:
+        if past:
+            raise ValueError("attention_mask (padding) is supported from an empty cache only")
+        attention_mask = attention_mask.to(device)
+        # as generate() does: positions count real tokens, padding sits at position 1
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill_(attention_mask == 0, 1)
+    else:
+        positions = torch.arange(past, past + length, device=device)[None].expand(batch, -1)
+    kept = []
+    bar = tqdm(total=length, unit="tok", desc="chunked forward", disable=not progress, file=sys.stderr)
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        out = decoder(
+            input_ids=input_ids[:, start:end].to(device),
+            attention_mask=None if attention_mask is None else attention_mask[:, :end],
+            position_ids=positions[:, start:end],
+            cache=cache,
+            use_cache=True,
+        )
+        hidden = out.last_hidden_state
+        if on_chunk is not None:
+            on_chunk(start, hidden)
+        if keep_hidden:
+            kept.append(hidden)
+        bar.update(end - start)
+    bar.close()
+    return (torch.cat(kept, dim=1) if keep_hidden else None), cache
+
+
+def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's logits for hidden states [..., hidden], as its forward computes them
+    (including a final logit soft-cap), in fp32."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} exposes no output embeddings (LM head)")
+    logits = head(hidden).float()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+@torch.no_grad()
+def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bool = False) -> torch.Tensor:
+    """-log p(ids[t + 1] | ids[: t + 1]) for t = 0 .. T-2, float64 on the CPU, from one pass through
+    the KV cache in chunks: logits are computed for a bounded number of rows at a time and dropped,
+    so memory holds the cache, one chunk and LOGIT_ELEMENTS logits. One sequence ([T] or [1, T])."""
+    input_ids = _check(input_ids, chunk_size)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"chunked_nll scores one sequence at a time, got a batch of {input_ids.shape[0]}")
+    ids = input_ids[0]
+    rows = max(1, LOGIT_ELEMENTS // model.get_output_embeddings().weight.shape[0])
+    parts = []
+
+    def score(start: int, hidden: torch.Tensor) -> None:
+        hidden = hidden[0]
+        targets = ids[start + 1 : start + 1 + hidden.shape[0]].to(hidden.device)
+        for lo in range(0, targets.numel(), rows):  # the last chunk's last row has no target
+            logits = lm_logits(model, hidden[lo : lo + rows][: targets.numel() - lo])
+            parts.append(F.cross_entropy(logits, targets[lo : lo + rows], reduction="none").double().cpu())
+
+    chunked_forward(model, ids, chunk_size, keep_hidden=False, on_chunk=score, progress=progress)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+@torch.no_grad()
+def chunked_generate(model, input_ids: torch.Tensor, chunk_size: int, *, attention_mask: torch.Tensor | None = None,
+                     progress: bool = False, **generate_kwargs) -> torch.Tensor:
+    """`model.generate` for a long prompt: all but its last token are prefilled through the KV
+    cache in chunks (chunked_forward), then generate continues from that cache, with any of its
+    options (`max_new_tokens`, `do_sample`, ...). Returns what generate returns (prompt included)."""
+    input_ids = _check(input_ids, chunk_size)
+    if "cache" in generate_kwargs or "past_key_values" in generate_kwargs:
+        raise ValueError("chunked_generate builds its own cache; do not pass one")
+    cache = None
+    if input_ids.shape[1] > 1:
+        head_mask = None if attention_mask is None else attention_mask[:, :-1]
+        _, cache = chunked_forward(model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False,
+                                   progress=progress)
+    return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

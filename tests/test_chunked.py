@@ -1,0 +1,123 @@
+"""Chunked prefill through the KV cache (rope_ext.chunked): the same numbers as one forward and as
+token-by-token decoding, with memory bounded by the cache and one chunk."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import rope_ext
+from rope_ext import chunked
+
+
+@torch.no_grad()
+def decode_logits(model, ids, prefill):
+    """Logits for rows prefill-1 .. T-1 from decoding one token at a time after `prefill` tokens."""
+    cache = DynamicCache(config=model.config)
+    out = [model(ids[:, :prefill], cache=cache, use_cache=True).logits[:, -1:]]
+    out += [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(prefill, ids.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize(
+    "method, params", [("dynamic", {"granularity": 32}), ("dynamic_yarn", {}), ("self_extend", {})],
+)
+def test_chunked_prefill_equals_token_by_token_decoding(tiny_model, heldout_ids, method, params):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, method, factor=4, **params)
+    ids = heldout_ids[: 2 * window]
+    hidden, cache = chunked.chunked_forward(tiny_model, ids[None], chunk_size=32)
+    logits = chunked.lm_logits(tiny_model, hidden)
+    # decode the last chunks: far enough past the window that the scaling has changed several times
+    steps = decode_logits(tiny_model, ids[None], prefill=2 * window - 40)
+    assert cache.get_seq_length() == ids.shape[0]
+    assert (logits[:, 2 * window - 41 :] - steps).abs().max() <= 1e-4
+
+
+def test_chunked_nll_equals_one_forward_and_bounds_the_logits(tiny_model, heldout_ids, monkeypatch):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=48)
+    ids = heldout_ids[: 4 * window]
+    with torch.no_grad():
+        reference = F.cross_entropy(tiny_model(ids[None]).logits[0, :-1], ids[1:], reduction="none").double()
+    vocab = tiny_model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(chunked, "LOGIT_ELEMENTS", 20 * vocab)
+    seen = {"tokens": 0, "rows": 0}
+
+    def record_body(module, args, kwargs):
+        seen["tokens"] = max(seen["tokens"], kwargs["input_ids"].shape[1])
+
+    def record_head(module, args, out):
+        seen["rows"] = max(seen["rows"], out.shape[0])
+
+    hooks = [tiny_model.model.register_forward_pre_hook(record_body, with_kwargs=True),
+             tiny_model.lm_head.register_forward_hook(record_head)]
+    nll = chunked.chunked_nll(tiny_model, ids, chunk_size=48)
+    for hook in hooks:
+        hook.remove()
+    assert nll.shape == reference.shape
+    assert (nll - reference).abs().max() <= 1e-4
+    assert seen == {"tokens": 48, "rows": 20}
+
+
+def _bucket_ppl(model, ids, chunk, first):
+    nll = chunked.chunked_nll(model, ids, chunk_size=chunk)
+    return nll[first - 1 :].mean().exp().item()
+
+
+def test_chunked_dynamic_beats_plain_rope_at_four_times_the_window(tiny_model, heldout_ids):
+    window = tiny_model.config.max_position_embeddings
+    starts = range(0, 6 * 4 * window, 4 * window)
+    texts = [heldout_ids[s : s + 4 * window] for s in starts]
+    plain = sum(_bucket_ppl(tiny_model, t, window, 2 * window) for t in texts) / len(texts)
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=window)
+    scaled = sum(_bucket_ppl(tiny_model, t, window, 2 * window) for t in texts) / len(texts)
+    assert scaled < 0.85 * plain, (scaled, plain)
+
+
+def test_inside_the_window_chunked_dynamic_is_the_plain_model(tiny_model, heldout_ids):
+    window = tiny_model.config.max_position_embeddings
+    ids = heldout_ids[: 4 * window]
+    plain = chunked.chunked_nll(tiny_model, ids, chunk_size=window)
+    rope_ext.patch(tiny_model, "dynamic_yarn", factor=4, granularity=window)
+    scaled = chunked.chunked_nll(tiny_model, ids, chunk_size=window)
+    assert (scaled[: window - 1] - plain[: window - 1]).abs().max() <= 1e-5
+    assert (scaled[window:] - plain[window:]).abs().max() > 0.1
+
+
+def test_chunked_generate_equals_generate(tiny_model, heldout_ids):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=40)
+    prompt = heldout_ids[None, : 2 * window + 7]
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = tiny_model.generate(prompt, **settings)
+    assert torch.equal(chunked.chunked_generate(tiny_model, prompt, chunk_size=40, **settings), expected)
+
+
+def test_left_padded_batch_matches_single_rows(tiny_model, heldout_ids):
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=32)
+    long, short = heldout_ids[: 2 * window], heldout_ids[3000 : 3000 + window + 20]
+    batch = torch.zeros((2, len(long)), dtype=torch.long)
+    batch[0], batch[1, -len(short) :] = long, short
+    mask = (torch.arange(len(long))[None] >= torch.tensor([[0], [len(long) - len(short)]])).long()
+    together, _ = chunked.chunked_forward(tiny_model, batch, chunk_size=32, attention_mask=mask)
+    alone = [chunked.chunked_forward(tiny_model, row[None], chunk_size=32)[0] for row in (long, short)]
+    assert (together[0] - alone[0][0]).abs().max() <= 1e-4
+    assert (together[1, -len(short) :] - alone[1][0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "ids, chunk_size, message",
+    [
+        (torch.arange(10), 0, "chunk_size must be an int >= 1"),
+        (torch.arange(10), 2.5, "chunk_size must be an int >= 1"),
+        (torch.rand(10), 4, "integer tensor"),
+        (torch.zeros(1, 0, dtype=torch.long), 4, "at least one token"),
+        (torch.zeros(2, 5, dtype=torch.long), 4, "one sequence at a time"),
+    ],
+)
+def test_bad_input_is_refused(tiny_model, ids, chunk_size, message):
+    with pytest.raises(ValueError, match=message):
+        chunked.chunked_nll(tiny_model, ids, chunk_size)

@@ -1,0 +1,39 @@
+"""`rope-ext compare` on the tiny trained model: one table, one plot, the window's break visible."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rope_ext.evals import compare
+
+
+def test_compare_methods_by_length(tiny_path, tmp_path):
+    from rope_ext.defaults import gutenberg_documents
+
+    source = tmp_path / "heldout.txt"
+    source.write_text(gutenberg_documents()["tempest_gut"][10000:40000])  # a held-out play
+    out = tmp_path / "cmp"
+    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "dynamic", "--lengths", "128", "512",
+            "--param", "dynamic:granularity=64", "--data", str(source), "--passkey-depths", "0.5",
+            "--output", str(out), "--no-progress"]
+    with pytest.warns(UserWarning, match="plain at length 512"):
+        assert compare.main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {"compare.json", "compare.md", "compare.png"}
+    report = json.loads((out / "compare.json").read_text())
+    assert report["setup"]["factor"] == 4  # 512 / 128
+    ppl = {m["method"]: {n: r["ppl"] for n, r in m["ppl"].items()} for m in report["methods"]}
+    assert ppl["dynamic"]["128"] == pytest.approx(ppl["plain"]["128"], rel=1e-5)  # dynamic is plain inside the window
+    assert ppl["yarn"]["512"] < 0.95 * ppl["plain"]["512"]
+    assert all(0 <= m["passkey"]["by_length"]["512"] <= 1 for m in report["methods"])
+    table = (out / "compare.md").read_text()
+    assert "| plain | - |" in table and "PPL @512" in table and "passkey @128" in table
+
+
+def test_bad_method_parameter_is_refused_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="METHOD:KEY=VALUE"):
+        compare.main(["--methods", "plain", "yarn", "--param", "ntk:granularity=4", "--output", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="unknown method"):
+        compare.main(["--methods", "plain", "nope", "--output", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()

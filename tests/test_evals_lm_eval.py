@@ -1,0 +1,81 @@
+"""lm-eval: the rope_ext model type patches and sets max_length; both shipped tasks run through
+lm-eval's own command line on the tiny trained model, and the long-text perplexity it reports
+equals ours under the same windows."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext.evals import perplexity
+from rope_ext.evals.data import Document
+from rope_ext.evals.lm_eval_model import RopeExtLM, main
+
+
+def test_model_type_patches_and_sets_max_length(tiny_path):
+    plain = RopeExtLM(pretrained=str(tiny_path))
+    assert plain.max_length == 128 and rope_ext.describe(plain.model) is None
+    lm = RopeExtLM(pretrained=str(tiny_path), method="yarn", factor=2, beta_fast=16)
+    assert lm.max_length == 256
+    described = rope_ext.describe(lm.model)
+    assert described["method"] == "yarn" and described["params"]["beta_fast"] == 16
+    with pytest.raises(ValueError, match="needs --factor"):
+        RopeExtLM(pretrained=str(tiny_path), method="ntk")
+
+
+def full_windows_excerpt(tokenizer, text: str, n_tokens: int) -> str:
+    """An excerpt of exactly n_tokens tokens that tokenizes back to the same tokens. lm-eval
+    gives a document's last, partial window the full max_length of context; with whole windows
+    only, its rolling windows are exactly non-overlapping chunks."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for start in range(200):
+        piece = tokenizer.decode(ids[start : start + n_tokens])
+        if tokenizer(piece, add_special_tokens=False)["input_ids"] == ids[start : start + n_tokens]:
+            return piece
+    raise AssertionError("no excerpt tokenizes back to itself")
+
+
+def test_tasks_run_through_lm_eval(tiny_path, tiny_tokenizer, tmp_path):
+    from rope_ext.defaults import gutenberg_documents
+
+    text = full_windows_excerpt(tiny_tokenizer, gutenberg_documents()["macbeth_gut"][30000:40000], 10 * 256)  # held out
+    source = tmp_path / "long.txt"
+    source.write_text(text)
+    metadata = {"passkey_lengths": [128, 256], "passkey_depths": [0.5], "passkey_trials": 2, "longppl_path": str(source)}
+    out = tmp_path / "lm_eval"
+    main(["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=2",
+          "--tasks", "rope_ext_passkey,rope_ext_longppl", "--metadata", json.dumps(metadata),
+          "--output_path", str(out), "--log_samples"])
+    (results_file,) = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]
+
+    passkey = results["rope_ext_passkey"]
+    for metric in ("exact_match", "acc_128", "acc_256"):
+        assert 0.0 <= passkey[f"{metric},first_integer"] <= 1.0
+    assert "acc_512,first_integer" not in passkey
+    (samples_file,) = out.rglob("samples_rope_ext_passkey_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == 4
+    for s in samples:  # the regex filter keeps the first integer of the answer, or "[invalid]"
+        (filtered,) = s["filtered_resps"]
+        assert filtered == "[invalid]" or filtered.isdigit()
+
+    # lm-eval's rolling windows: BOS + the tokens, non-overlapping max_length-token inputs, each
+    # predicting the next max_length tokens: our protocol on [BOS] + ids with W = 257, S = 256.
+    assert len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]) == 2560
+    ids = torch.tensor(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    stream = torch.cat((torch.tensor([tiny_tokenizer.bos_token_id]), ids))
+    model = rope_ext.from_pretrained(tiny_path).eval()
+    rope_ext.patch(model, "yarn", factor=2)
+    ours = perplexity.evaluate(model, [Document("long", stream)], [257], stride=256, progress=False)[257]
+    assert ours["tokens"] == len(ids)
+    token_ppl = results["rope_ext_longppl"]["token_perplexity,none"]
+    assert token_ppl == pytest.approx(ours["ppl"], rel=1e-4)
+    assert 10 < token_ppl < 200  # a trained model on held-out text
+    word_ppl = results["rope_ext_longppl"]["word_perplexity,none"]
+    assert math.log(word_ppl) == pytest.approx(ours["nll"] * len(ids) / len(re.split(r"\s+", text)), rel=1e-4)

@@ -1,0 +1,97 @@
+"""Passkey retrieval: prompts fit their length with the key at its depth, an oracle scores 1.0,
+a random model ~0, and bad lengths fail before any trial runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rope_ext.evals import passkey
+
+
+@pytest.mark.parametrize("length", [160, 400])
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_prompt_fits_its_length_with_the_key_at_its_depth(tiny_tokenizer, length, depth):
+    p = passkey.build_prompt(tiny_tokenizer, length, depth, 31337)
+    assert len(p.ids) <= length
+    one_more = passkey.prompt_text(31337, p.filler_sentences + 1, depth)
+    assert len(tiny_tokenizer(one_more)["input_ids"]) > length  # the longest prompt that fits
+    assert p.text.startswith(passkey.TASK) and p.text.endswith(passkey.QUESTION)
+    key_line = passkey.KEY_LINE.format(key=31337)
+    filler = p.text[len(passkey.TASK) : -len(passkey.QUESTION)]
+    where = filler.index(key_line) / (len(filler) - len(key_line))
+    assert where == pytest.approx(depth, abs=0.1)
+
+
+def test_too_small_a_length_fails_before_any_trial(tiny_tokenizer):
+    asked = []
+    with pytest.raises(ValueError, match="passkey length 40 is too small"):
+        passkey.run_trials(lambda p: asked.append(p) or "", tiny_tokenizer, [40, 300], progress=False)
+    assert asked == []
+    assert passkey.minimum_length(tiny_tokenizer) > 40
+
+
+def test_keys_are_seeded_per_cell():
+    assert passkey.trial_key(0, 512, 0.5, 1) == passkey.trial_key(0, 512, 0.5, 1)
+    keys = {passkey.trial_key(s, 512, 0.5, t) for s in range(3) for t in range(5)}
+    assert len(keys) == 15 and all(1 <= k <= 50000 for k in keys)
+
+
+def test_an_oracle_scores_one(tiny_tokenizer):
+    def oracle(prompt):  # reads the key where the prompt put it
+        return " " + prompt.text.split("The pass key is ")[1].split(".")[0] + ". Remember"
+
+    result = passkey.run_trials(oracle, tiny_tokenizer, [200, 400], [0.2, 0.8], trials=3, progress=False)
+    assert result["accuracy_overall"] == 1.0
+    assert result["accuracy"] == {200: {0.2: 1.0, 0.8: 1.0}, 400: {0.2: 1.0, 0.8: 1.0}}
+    assert len(result["trials"]) == 12
+
+
+def test_a_random_model_scores_about_zero(tiny_tokenizer):
+    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id)
+    model = LlamaForCausalLM(config).eval()
+    answer = passkey.model_answerer(model, tiny_tokenizer, max_new_tokens=8)
+    result = passkey.run_trials(answer, tiny_tokenizer, [200, 300], [0.5], trials=4, progress=False)
+    assert result["accuracy_overall"] <= 0.125
+    assert all(len(r["answer"]) > 0 for r in result["trials"])  # it did generate
+
+
+def test_first_integer():
+    assert passkey.first_integer(" 4217. Remember it.") == 4217
+    assert passkey.first_integer("no digits") is None
+
+
+def test_cli_writes_json_table_and_heatmap(tiny_path, tmp_path):
+    out = tmp_path / "pk"
+    argv = ["--model", str(tiny_path), "--lengths", "150", "256", "--depths", "0.5", "--trials", "2", "--limit", "3",
+            "--output", str(out), "--no-progress"]
+    with pytest.warns(UserWarning, match="meant for 128"):
+        assert passkey.main(argv) == 0
+    saved = json.loads((out / "passkey.json").read_text())
+    assert len(saved["trials"]) == 3  # --limit: both lengths first, then the second trial of the shortest
+    assert {t["length"] for t in saved["trials"]} == {150, 256}
+    assert set(saved["accuracy"]) == {"150", "256"}
+    assert (out / "passkey.png").stat().st_size > 1000
+    assert "| length \\ depth |" in (out / "passkey.md").read_text()
+    with pytest.raises(ValueError, match="too small"):
+        passkey.main(["--model", str(tiny_path), "--lengths", "30", "--output", str(tmp_path / "x"), "--no-progress"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):
+    answer = passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6)
+    prompt = passkey.build_prompt(tiny_tokenizer, 120, 0.5, 123)
+    first = answer(prompt)
+    assert first == answer(prompt)
+    ids = torch.tensor([prompt.ids])
+    with torch.no_grad():  # the same six tokens by argmax over full forwards, without a cache
+        for _ in range(6):
+            ids = torch.cat((ids, tiny_model(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+            if ids[0, -1] == tiny_tokenizer.eos_token_id:
+                break
+    assert first == tiny_tokenizer.decode(ids[0, len(prompt.ids):], skip_special_tokens=True)
