@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 GUTENBERG = "gutenberg"  # each play one document
 GUTENBERG_JOINED = "gutenberg-joined"  # the first six plays joined: the long document of NOTES §7
@@ -116,7 +118,7 @@ def iter_texts(source: str = GUTENBERG, split: str = "test", field: str = "text"
 
 
 def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | None = None,
-                       seed: int | None = None) -> list[Document]:
+                       seed: int | None = None, progress: bool = False) -> list[Document]:
     """Token streams (no special tokens) of the texts with at least `min_tokens` tokens; at most
     `limit` of them, the first ones or, with `seed`, a seeded random choice. Raises ValueError
     when nothing is left."""
@@ -129,7 +131,7 @@ def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | No
         pairs = list(texts)
         random.Random(seed).shuffle(pairs)
     documents, seen, shortest = [], 0, None
-    for name, text in pairs:
+    for name, text in tqdm(pairs, desc="tokenizing", unit="doc", disable=not progress, file=sys.stderr):
         seen += 1
         if not text or not text.strip():
             continue
@@ -153,5 +155,5 @@ def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | No
 def documents_from_args(args, tokenizer) -> list[Document]:
     return tokenize_documents(
         tokenizer, iter_texts(args.data, args.data_split, args.data_field),
-        min_tokens=args.min_tokens, limit=args.limit, seed=args.seed,
+        min_tokens=args.min_tokens, limit=args.limit, seed=args.seed, progress=not getattr(args, "no_progress", False),
     )

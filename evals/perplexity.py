@@ -326,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
     out.write_text("ppl.md", text)
     from .plots import bucket_plot
 
-    out.save_figure("ppl.png", bucket_plot(results, title=f"{setup['method']}: PPL by position",
+    label = setup["method"] + (f" x{setup['factor']:g}" if setup["factor"] else "")
+    out.save_figure("ppl.png", bucket_plot(results, title=f"{setup['model']}, {label}: PPL by position",
                                            window=setup["patch"]["original_window"] if setup["patch"] else setup["capacity"]))
     print(text)
     print(f"results in {out.folder}")
