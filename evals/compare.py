@@ -19,23 +19,32 @@ import rope_ext
 from . import data as data_mod
 from . import loading, output, passkey, perplexity
 
-BASE_METHODS = ("plain", "linear", "ntk", "dynamic", "yarn")
-
-
 def default_methods() -> list[str]:
-    extra = ["alibi_hybrid"] if "alibi_hybrid" in rope_ext.methods() else []
-    return [*BASE_METHODS, *extra]
+    return [loading.PLAIN, *rope_ext.methods()]
 
 
-def parse_method_params(items: list[str], methods: list[str]) -> dict[str, dict]:
-    """['dynamic:granularity=512'] -> {'dynamic': {'granularity': 512}}."""
-    params: dict[str, dict] = {m: {} for m in methods}
+def parse_specs(specs: list[str], items: list[str]) -> list[tuple[str, str, dict]]:
+    """Method specs and --param items -> [(label, method, params)].
+
+    A spec is METHOD or METHOD:KEY=VALUE[,KEY=VALUE...], so one method can run with several
+    settings (e.g. `dynamic:causal=false dynamic:granularity=4096`); the spec is its label.
+    `--param METHOD:KEY=VALUE` adds to every spec of METHOD."""
+    runs = []
+    for spec in specs:
+        method, _, rest = spec.partition(":")
+        runs.append((spec, method, loading.parse_params(rest.split(",")) if rest else {}))
+    labels = [label for label, _, _ in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--methods lists a spec twice: {' '.join(labels)}")
+    methods = {method for _, method, _ in runs}
     for item in items:
         method, sep, rest = item.partition(":")
-        if not sep or method not in params:
-            raise ValueError(f"--param expects METHOD:KEY=VALUE with METHOD one of {', '.join(methods)}, got {item!r}")
-        params[method].update(loading.parse_params([rest]))
-    return params
+        if not sep or method not in methods:
+            raise ValueError(f"--param expects METHOD:KEY=VALUE with METHOD one of {', '.join(sorted(methods))}, got {item!r}")
+        for _, m, params in runs:
+            if m == method:
+                params.update(loading.parse_params([rest]))
+    return runs
 
 
 def original_window(model) -> int:
@@ -49,13 +58,14 @@ def markdown(report: dict) -> str:
     setup, rows_in = report["setup"], report["methods"]
     lengths = setup["lengths"]
     pk = setup["passkey"] is not None
-    header = ["method", "factor"] + [f"PPL @{n}" for n in lengths] + ([f"passkey @{n}" for n in lengths] if pk else [])
+    pk_lengths = setup["passkey"]["lengths"] if pk else []
+    header = ["method", "factor"] + [f"PPL @{n}" for n in lengths] + [f"passkey @{n}" for n in pk_lengths]
     rows = []
     for m in rows_in:
-        row = [m["method"], "-" if m["factor"] is None else f"{m['factor']:g}"]
+        row = [m["label"], "-" if m["factor"] is None else f"{m['factor']:g}"]
         row += [m["ppl"][str(n)]["ppl"] for n in lengths]
         if pk:
-            row += [m["passkey"]["by_length"].get(n) for n in lengths]
+            row += [m["passkey"]["by_length"].get(n) for n in pk_lengths]
         rows.append(row)
     text = (f"# rope-ext compare: {setup['model']}\n\n"
             f"Original window {setup['original_window']} tokens. PPL: token-weighted, data {setup['data']} "
@@ -64,12 +74,26 @@ def markdown(report: dict) -> str:
     if pk:
         text += (f" Passkey: accuracy over depths {setup['passkey']['depths']} x {setup['passkey']['trials']} trial(s), "
                  f"greedy {setup['passkey']['max_new_tokens']} tokens.")
-    return text + "\n\n" + output.markdown_table(header, rows)
+    text += "\n\n" + output.markdown_table(header, rows)
+    longest = str(lengths[-1])
+    buckets = [(b["start"], b["end"]) for b in rows_in[0]["ppl"][longest]["buckets"]] if rows_in else []
+    if buckets:
+        best = {span: min(bucket_ppl(m, longest)[span] for m in rows_in) for span in buckets}
+        table = [[m["label"]] + [f"**{p:.2f}**" if p == best[span] else f"{p:.2f}"
+                                 for span, p in bucket_ppl(m, longest).items()] for m in rows_in]
+        text += (f"\n\nPPL at length {longest} by position of the scored token (lowest in bold):\n\n"
+                 + output.markdown_table(["method"] + [f"{a}-{b}" for a, b in buckets], table))
+    return text
+
+
+def bucket_ppl(method_result: dict, length: str) -> dict:
+    return {(b["start"], b["end"]): b["ppl"] for b in method_result["ppl"][length]["buckets"]}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                        help=f"methods to compare, 'plain' = unpatched (default: {' '.join(default_methods())})")
+    parser.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
+                        help="methods to compare: METHOD or METHOD:KEY=VALUE[,KEY=VALUE], 'plain' = unpatched "
+                             f"(default: {' '.join(default_methods())})")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
                         help="evaluation lengths (default: window/2, window, 2 x window)")
     parser.add_argument("--factor", type=float, default=None,
@@ -78,10 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a parameter for one method, repeatable (e.g. dynamic:granularity=512)")
     parser.add_argument("--stride", type=int, default=None,
                         help="slide windows over whole documents with this stride (default: first L tokens only)")
+    parser.add_argument("--bucket", type=int, default=None,
+                        help="width of the position buckets of the longest length (default: longest length / 8)")
     parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
                         help="BOS at the start of every window (default: as the tokenizer does)")
     parser.add_argument("--passkey-depths", type=float, nargs="+", default=[0.5], metavar="D",
                         help="passkey key depths (default: 0.5)")
+    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="N",
+                        help="passkey prompt lengths (default: every --lengths)")
     parser.add_argument("--passkey-trials", type=int, default=1, help="passkey trials per (length, depth) (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="passkey answer tokens (default: 10)")
     parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
@@ -92,10 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = args.methods or default_methods()
-    for m in methods:
-        loading.check_method(m, 2.0)
-    method_params = parse_method_params(args.param, methods)
+    runs = parse_specs(args.methods or default_methods(), args.param)
+    for _, method, _ in runs:
+        loading.check_method(method, 2.0)
     out = output.ResultFolder(args.output, "compare", ["compare.json", "compare.md", "compare.png"], args.overwrite).claim()
     model, tokenizer = loading.load_model(args.model, args.dtype, args.device, args.attn_implementation)
     loading.apply_method(model, loading.PLAIN)
@@ -106,32 +133,33 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--stride {args.stride} is larger than the shortest length {lengths[0]}")
     documents = data_mod.documents_from_args(args, tokenizer)
     bos, bos_id = perplexity.bos_token(tokenizer, args.bos)
+    passkey_lengths = sorted(set(args.passkey_lengths or lengths))
     if not args.no_passkey:
         shortest = passkey.minimum_length(tokenizer)
-        if lengths[0] < shortest:
-            raise ValueError(f"length {lengths[0]} is too small for the passkey prompt ({shortest} tokens); "
-                             "raise --lengths or pass --no-passkey")
+        if passkey_lengths[0] < shortest:
+            raise ValueError(f"length {passkey_lengths[0]} is too small for the passkey prompt ({shortest} tokens); "
+                             "raise --lengths / --passkey-lengths or pass --no-passkey")
 
     report = {"setup": {
         "model": loading.model_label(model), "original_window": window, "lengths": lengths,
-        "factor": factor, "params": method_params, "data": args.data, "documents": len(documents),
+        "factor": factor, "data": args.data, "documents": len(documents),
         "document_tokens": [len(d) for d in documents], "stride": args.stride, "bos": bos,
-        "passkey": None if args.no_passkey else {"depths": args.passkey_depths, "trials": args.passkey_trials,
+        "passkey": None if args.no_passkey else {"lengths": passkey_lengths, "depths": args.passkey_depths, "trials": args.passkey_trials,
                                                  "seed": args.seed or 0, "max_new_tokens": args.max_new_tokens},
     }, "methods": []}
-    for method in methods:
-        print(f"rope-ext compare: {method}", file=sys.stderr)
+    for label, method, params in runs:
+        print(f"rope-ext compare: {label}", file=sys.stderr)
         started = time.perf_counter()
-        info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, method_params[method])
-        loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{method} at length {lengths[-1]}")
+        info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, params)
+        loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
         ppl = perplexity.evaluate(model, documents, lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                                  truncate=args.stride is None, progress=not args.no_progress)
-        result = {"method": method, "factor": None if info is None else info.factor,
+                                  truncate=args.stride is None, bucket=args.bucket, progress=not args.no_progress)
+        result = {"label": label, "method": method, "params": params, "factor": None if info is None else info.factor,
                   "patch": None if info is None else info.to_dict(), "ppl": {str(n): r for n, r in ppl.items()}}
         if not args.no_passkey:
             answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens)
-            result["passkey"] = passkey.run_trials(answer, tokenizer, lengths, args.passkey_depths, args.passkey_trials,
-                                                   args.seed or 0, progress=not args.no_progress)
+            result["passkey"] = passkey.run_trials(answer, tokenizer, passkey_lengths, args.passkey_depths,
+                                                   args.passkey_trials, args.seed or 0, progress=not args.no_progress)
         result["seconds"] = round(time.perf_counter() - started, 1)
         report["methods"].append(result)
         # written after every method, so a long run that is stopped keeps what finished
@@ -144,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     (out.folder / "compare.partial.json").unlink()
     from .plots import ppl_vs_length
 
-    curves = {m["method"] + ("" if m["factor"] is None else f" x{m['factor']:g}"): {int(n): r["ppl"] for n, r in m["ppl"].items()}
+    curves = {m["label"] + ("" if m["factor"] is None else f" x{m['factor']:g}"): {int(n): r["ppl"] for n, r in m["ppl"].items()}
               for m in report["methods"]}
     out.save_figure("compare.png", ppl_vs_length(curves, window, f"{report['setup']['model']}: perplexity vs length"))
     print(text)

@@ -13,14 +13,16 @@ because it is defined on the queries and keys the backend finally sees.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Callable
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.generic import is_flash_attention_requested
 
-from .rotary import ExtendedRotaryEmbedding, apply_rotary, cos_sin
+from .rotary import ExtendedRotaryEmbedding, apply_rotary
 
 PREFIX = "rope_ext_"
 
@@ -30,7 +32,25 @@ def backend(module: torch.nn.Module, name: str) -> Callable:
     if name == "eager":
         # Each model file defines its own eager function; use the one of this module's model.
         return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
+    function = ALL_ATTENTION_FUNCTIONS[name]
+    if is_flash_attention_requested(requested_attention_implementation=name):
+        return lambda module, *args, **kwargs: function(FlashView(module, name), *args, **kwargs)
+    return function
+
+
+class FlashView:
+    """An attention module as transformers' flash backends must see it. They pick the kernel to
+    load from `module.config._attn_implementation`, which names the rope-ext wrapper while a patch
+    is on (`rope_ext_flash_attention_2` is no kernel); the view shows a config naming the backend
+    and passes every other attribute through."""
+
+    def __init__(self, module: torch.nn.Module, name: str):
+        self._module = module
+        self.config = copy.copy(module.config)
+        self.config._attn_implementation_internal = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(self._module, attribute)
 
 
 def registered_name(base: str) -> str:
@@ -119,18 +139,18 @@ class RotateInAttention(AttentionTransform):
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
         frame = self.rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        k_pos = frame.k_pos
-        if k_pos.shape[-1] != kv_len:
-            if k_pos.shape[-1] < kv_len:
-                raise RuntimeError(
-                    f"rope_ext: the KV cache returned {kv_len} keys but {k_pos.shape[-1]} were written; "
-                    "static (pre-allocated) caches are not supported with dynamic methods"
-                )
-            k_pos = k_pos[..., -kv_len:]  # sliding-window caches return only the most recent keys
+        written = frame.k_pos.shape[-1]
+        if written < kv_len:
+            raise RuntimeError(
+                f"rope_ext: the KV cache returned {kv_len} keys but {written} were written; "
+                "static (pre-allocated) caches are not supported with dynamic methods"
+            )
+        first_key = written - kv_len  # sliding-window caches return only the most recent keys
         lengths = frame.lengths
         groups = torch.unique(lengths).tolist()
         if len(groups) == 1:
-            return self._attend(module, query, key, value, attention_mask, attend, frame, k_pos, groups[0], kwargs)
+            return self._attend(module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len),
+                                (first_key, written), kwargs)
         offset = kv_len - q_len
         out = None
         for length in groups:
@@ -144,19 +164,16 @@ class RotateInAttention(AttentionTransform):
                 allowed = torch.arange(end, device=query.device)[None, :] <= q_idx[:, None]
                 mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
                 mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
-            sub_frame = type(frame)(frame.q_pos[:, lo:hi], k_pos[:, :end], lengths[:, lo:hi], frame.angles)
-            part, _ = self._attend(
-                module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, sub_frame, k_pos[:, :end], length, kwargs
-            )
+            part, _ = self._attend(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, frame,
+                                   length, (lo, hi), (first_key, first_key + end), kwargs)
             if out is None:
                 out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
             chosen = (lengths[:, lo:hi] == length)[..., None, None]
             out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
         return out, None
 
-    def _attend(self, module, query, key, value, mask, attend, frame, k_pos, length, kwargs):
-        inv_freq, scale = frame.angles(length)
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs):
         layout = self.rotary.geometry.layout
-        q_cos, q_sin = cos_sin(inv_freq, scale, frame.q_pos, query.dtype)
-        k_cos, k_sin = cos_sin(inv_freq, scale, k_pos, key.dtype)
+        q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
+        k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         return attend(module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs)

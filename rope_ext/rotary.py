@@ -15,7 +15,7 @@ angles for every key, in any dtype.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
@@ -70,6 +70,18 @@ class RotationFrame:
     k_pos: torch.Tensor  # [B, Sk], cached keys first
     lengths: torch.Tensor  # [B, Sq]
     angles: Callable[[int], tuple[torch.Tensor, float]]
+    _rotations: dict = field(default_factory=dict, repr=False)
+
+    def rotation(self, length: int, keys: bool, start: int, stop: int, dtype: torch.dtype):
+        """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer
+        needs the same ones, so they are computed once per forward: in decoding, where the query
+        is one token and the keys are the whole cache, that is most of the rotation's cost."""
+        key = (length, keys, start, stop, dtype)
+        if key not in self._rotations:
+            inv_freq, scale = self.angles(length)
+            positions = (self.k_pos if keys else self.q_pos)[:, start:stop]
+            self._rotations[key] = cos_sin(inv_freq, scale, positions, dtype)
+        return self._rotations[key]
 
 
 class ExtendedRotaryEmbedding(nn.Module):

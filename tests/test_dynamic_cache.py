@@ -94,3 +94,30 @@ def test_greedy_generate_with_left_padding_matches_single_rows(tiny_model, tiny_
         alone = [tiny_model.generate(row[None], **settings)[0, len(row):] for row in (long, short)]
     assert torch.equal(together[0], alone[0])
     assert torch.equal(together[1], alone[1])
+
+
+def test_flash_backends_see_their_own_name_under_the_wrapper():
+    """transformers' flash backends load their kernel by `module.config._attn_implementation`; under
+    a patch that names the rope-ext wrapper, so the wrapper must show them the backend's name. A
+    stand-in flash backend (sdpa arithmetic under a name containing "flash") records what it sees."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    seen = []
+
+    def flash_stand_in(module, *args, **kwargs):
+        seen.append(module.config._attn_implementation)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register("flash_stand_in", flash_stand_in)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("flash_stand_in", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    reference = random_model("llama")
+    model = copy.deepcopy(reference)
+    model.config._attn_implementation = "flash_stand_in"  # set after init, which would load a kernel
+    ids = torch.randint(0, 97, (1, 3 * WINDOW))
+    for m in (model, reference):
+        rope_ext.patch(m, "dynamic", factor=4)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert model.config._attn_implementation == "rope_ext_flash_stand_in"
+    assert seen and set(seen) == {"flash_stand_in"}

@@ -15,20 +15,27 @@ def test_compare_methods_by_length(tiny_path, tmp_path):
     source = tmp_path / "heldout.txt"
     source.write_text(gutenberg_documents()["tempest_gut"][10000:40000])  # a held-out play
     out = tmp_path / "cmp"
-    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "dynamic", "--lengths", "128", "512",
-            "--param", "dynamic:granularity=64", "--data", str(source), "--passkey-depths", "0.5",
-            "--output", str(out), "--no-progress"]
+    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "dynamic", "dynamic:causal=false",
+            "--lengths", "128", "512", "--param", "dynamic:granularity=64", "--data", str(source),
+            "--bucket", "128", "--passkey-depths", "0.5", "--passkey-lengths", "128", "--output", str(out), "--no-progress"]
     with pytest.warns(UserWarning, match="plain at length 512"):
         assert compare.main(argv) == 0
     assert {p.name for p in out.iterdir()} == {"compare.json", "compare.md", "compare.png"}
     report = json.loads((out / "compare.json").read_text())
     assert report["setup"]["factor"] == 4  # 512 / 128
-    ppl = {m["method"]: {n: r["ppl"] for n, r in m["ppl"].items()} for m in report["methods"]}
+    ppl = {m["label"]: {n: r["ppl"] for n, r in m["ppl"].items()} for m in report["methods"]}
     assert ppl["dynamic"]["128"] == pytest.approx(ppl["plain"]["128"], rel=1e-5)  # dynamic is plain inside the window
+    # the one-base-per-forward schedule differs from the causal one past the window, and costs inside it
+    assert ppl["dynamic:causal=false"]["512"] != pytest.approx(ppl["dynamic"]["512"], rel=1e-3)
+    assert [m["params"] for m in report["methods"] if m["method"] == "dynamic"] == [
+        {"granularity": 64}, {"causal": False, "granularity": 64}]
     assert ppl["yarn"]["512"] < 0.95 * ppl["plain"]["512"]
-    assert all(0 <= m["passkey"]["by_length"]["512"] <= 1 for m in report["methods"])
+    assert all(set(m["passkey"]["by_length"]) == {"128"} for m in report["methods"])
     table = (out / "compare.md").read_text()
     assert "| plain | - |" in table and "PPL @512" in table and "passkey @128" in table
+    assert "passkey @512" not in table
+    buckets = table.split("PPL at length 512 by position")[1]
+    assert "| 384-512 |" in buckets and "| dynamic:causal=false |" in buckets and buckets.count("**") >= 8  # a bold minimum per bucket
 
 
 def test_bad_method_parameter_is_refused_before_loading(tmp_path):
@@ -36,4 +43,8 @@ def test_bad_method_parameter_is_refused_before_loading(tmp_path):
         compare.main(["--methods", "plain", "yarn", "--param", "ntk:granularity=4", "--output", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="unknown method"):
         compare.main(["--methods", "plain", "nope", "--output", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="twice"):
+        compare.main(["--methods", "yarn", "yarn", "--output", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        compare.main(["--methods", "dynamic:granularity", "--output", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
