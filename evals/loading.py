@@ -158,9 +158,10 @@ def warn_beyond_capacity(model, positions: int, what: str) -> bool:
     limit, why = capacity(model)
     if positions <= limit:
         return False
+    remedy = "patch it with a method and a factor" if patched(model) is None else "raise the factor"
     warnings.warn(
         f"{what} needs {positions} positions but the model ({why}) is meant for {limit}: "
-        "expect the results past that point to break (this is what the patched methods fix)",
+        f"results past that point may break ({remedy})",
         stacklevel=2,
     )
     return True
