@@ -109,3 +109,27 @@ def test_alibi_slopes():
     twelve = M.alibi_slopes(12)
     assert torch.allclose(twelve[:8], M.alibi_slopes(8))
     assert torch.allclose(twelve[8:], torch.tensor([2.0 ** (-(2 * k - 1) / 2) for k in range(1, 5)]))
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary
+def test_in_attention_rotation_has_transformers_bits(layout, rotary_dim):
+    """Dynamic methods rotate inside attention with rope_ext.rotary.apply_rotary, which turns the
+    pairs by slices instead of building transformers' rotate_half copy; the bits must not change."""
+    from transformers.models.glm.modeling_glm import rotate_half as rotate_interleaved
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from rope_ext.rotary import apply_rotary, cos_sin
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 40, 16)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    cos, sin = cos_sin(inv_freq, 1.3, torch.arange(40).expand(2, 40), x.dtype)
+    turn = rotate_half if layout == "half" else rotate_interleaved
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    if layout == "interleaved":
+        c = c[..., : rotary_dim // 2].repeat_interleave(2, dim=-1)
+        s = s[..., : rotary_dim // 2].repeat_interleave(2, dim=-1)
+    x_rot = x[..., :rotary_dim]
+    expected = torch.cat(((x_rot * c) + (turn(x_rot) * s), x[..., rotary_dim:]), dim=-1)
+    assert torch.equal(apply_rotary(x, cos, sin, layout), expected)
