@@ -320,26 +320,12 @@ def render_markdown(results: dict) -> str:
             lines.append(
                 f"| {row['label']} | {row['params']:,} | {row['final_loss']:.3f} | {row['seconds']:.0f} | {row['cpu_seconds']:.0f} |"
             )
-    lines += [
-        "",
-        "## Peak memory of the evaluation (MB above the loaded model)",
-        "",
-        f"| encoding | {head} |",
-        "|---" * (len(lengths) + 1) + "|",
-    ]
-    for key, row in results["rows"].items():
-        cells = " | ".join(cell_text(row["cells"][str(n)], "peak_mb", ".1f") for n in lengths)
-        lines.append(f"| {row['label']} | {cells} |")
-    lines += [
-        "",
-        "## Throughput (scored tokens/s)",
-        "",
-        f"| encoding | {head} |",
-        "|---" * (len(lengths) + 1) + "|",
-    ]
-    for key, row in results["rows"].items():
-        cells = " | ".join(cell_text(row["cells"][str(n)], "tokens_per_s", ",") for n in lengths)
-        lines.append(f"| {row['label']} | {cells} |")
+    for title, field, fmt in (("Peak memory of the evaluation (MB above the loaded model)", "peak_mb", ".1f"),
+                              ("Throughput (scored tokens/s)", "tokens_per_s", ",")):
+        lines += ["", f"## {title}", "", f"| encoding | {head} |", "|---" * (len(lengths) + 1) + "|"]
+        for row in results["rows"].values():
+            cells = " | ".join(cell_text(row["cells"][str(n)], field, fmt) for n in lengths)
+            lines.append(f"| {row['label']} | {cells} |")
     lines += ["", "## Against the articles' claims", "", *claims_comparison(results), "", "## How this was measured", ""]
     env = results["environment"]
     lines += [
