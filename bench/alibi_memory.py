@@ -3,10 +3,11 @@ the embedded SmolLM2 at --length tokens (default 16k = 2x its 8192-token window)
 
 Each variant runs in a fresh subprocess (so one variant's peak cannot hide another's): load the
 model, patch it, reset the kernel's peak-RSS counter (/proc/self/clear_refs), run one forward
-over the first --length tokens of the Gutenberg plays (NOTES §7's text) and read the peak RSS of
-that forward (VmHWM) and its wall time. The forward keeps only the last 1025 positions' logits,
-so the LM head (49k vocabulary) does not dominate memory, and the same logits give the
-perplexity of the last 1024 tokens.
+over the first --length tokens of the Gutenberg plays (the text of docs/references.md, "Reference
+measurements on SmolLM2-135M") and read the peak RSS of that forward (VmHWM) and its wall time. The
+forward keeps only the last 1025 positions' logits, so the LM head (49k vocabulary) does not
+dominate memory, and the same logits give the perplexity of the last 1024 tokens. The results
+file's provenance is that of the first variant that finished (the variants differ only in date).
 
 Variants:
   sdpa            the unpatched model (plain RoPE), transformers' sdpa: the baseline
@@ -36,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from rope_ext.evals.output import provenance, provenance_line
 
 LAST = 1024
 VARIANTS = ("sdpa", "alibi_hybrid", "ntk", "yarn", "alibi_plain", "naive")
@@ -71,7 +74,7 @@ def _register_naive(w: int) -> None:
 
 def _prepare(model, variant: str, factor: float, w: int | None) -> None:
     import rope_ext
-    from rope_ext.scaling import alibi_slopes
+    from rope_ext.method.alibi_hybrid import alibi_slopes
 
     window = model.config.max_position_embeddings
     if variant == "alibi_hybrid":
@@ -98,6 +101,7 @@ def run_child(args) -> dict:
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : args.length]
     if ids.shape[1] < args.length:
         raise SystemExit(f"the text has only {ids.shape[1]} tokens, fewer than --length {args.length}")
+    record = provenance(model, None)
     _prepare(model, args.child, args.factor, args.w)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) now restarts from the current RSS
@@ -112,7 +116,7 @@ def run_child(args) -> dict:
         "variant": args.child, "length": args.length, "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
         "rss_before_mib": round(before / 1024, 1), "peak_rss_mib": round(peak / 1024, 1),
         "forward_added_mib": round((peak - before) / 1024, 1), "ppl_last_1k": round(math.exp(nll), 3),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "provenance": record,
     }
 
 
@@ -163,7 +167,8 @@ def markdown(results: list[dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16384)
-    parser.add_argument("--factor", type=float, default=4.0, help="rotary factor (NOTES §7 measures ntk/yarn x4 at 16k)")
+    parser.add_argument("--factor", type=float, default=4.0,
+                        help='rotary factor (default 4, as in docs/references.md, "Reference measurements on SmolLM2-135M")')
     parser.add_argument("--w", type=int, default=None, help="bias-free distance (default: the model's window)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
@@ -202,11 +207,14 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 results.append({"variant": variant, "error": f"timed out after {args.timeout} s"})
         tqdm.write(json.dumps(results[-1]))
+    records = [r.pop("provenance") for r in results if "provenance" in r]
+    record = records[0] if records else None
     table = markdown(results, args)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2))
-    args.out.with_suffix(".md").write_text(table + "\n")
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                                    "provenance": record}, indent=2))
+    args.out.with_suffix(".md").write_text(table + "\n" + ("" if record is None else "\n" + provenance_line(record)))
 
 
 if __name__ == "__main__":

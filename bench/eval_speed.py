@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from rope_ext.evals import loading, perplexity
+from rope_ext.evals import loading, output, perplexity
 from rope_ext.evals.data import GUTENBERG_JOINED, Document, iter_texts
 
 
@@ -98,6 +98,7 @@ def main(argv=None) -> int:
 
     report = {"model": loading.model_label(model), "method": args.method, "factor": None if info is None else info.factor,
               "threads": args.threads, "tokens": len(ids), "bos": args.bos,
+              "provenance": output.provenance(model, args.model),
               "single": compare(model, docs, [args.length], args.stride, args.bos, bos_id, args.rounds)}
     if args.multi:
         report["multi"] = compare(model, docs, sorted(set(args.multi)), args.stride, args.bos, bos_id, args.rounds)

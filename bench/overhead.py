@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
 from rope_ext.defaults import gutenberg_text, load_smollm2
+from rope_ext.evals.output import provenance
 
 FACTOR = 4.0
 
@@ -96,7 +97,8 @@ def main() -> None:
     model, tokenizer = load_smollm2()
     window = model.config.max_position_embeddings
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : max(args.length, args.decode_context + 1)]
-    results: dict = {"torch_threads": torch.get_num_threads(), "length": args.length, "forward": {}, "decode": {}}
+    results: dict = {"torch_threads": torch.get_num_threads(), "length": args.length, "forward": {}, "decode": {},
+                     "provenance": provenance(model, None)}
 
     pairs = {
         "linear": (patched_variant(model, "linear"), native_variant(model, {"rope_type": "linear", "factor": FACTOR}, window)),

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         "document_tokens": [len(d) for d in documents], "stride": args.stride, "bos": bos,
         "passkey": None if args.no_passkey else {"lengths": passkey_lengths, "depths": args.passkey_depths, "trials": args.passkey_trials,
                                                  "seed": args.seed or 0, "max_new_tokens": args.max_new_tokens},
-    }, "methods": []}
+    }, "methods": [], "provenance": output.provenance(model, args.model)}
     for label, method, params in runs:
         print(f"rope-ext compare: {label}", file=sys.stderr)
         started = time.perf_counter()
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         partial.write_json("compare.partial.json", report)
 
     out.write_json("compare.json", report)
-    text = markdown(report)
+    text = markdown(report) + "\n" + output.provenance_line(report["provenance"])
     out.write_text("compare.md", text)
     (out.folder / "compare.partial.json").unlink()
     from .plots import ppl_vs_length

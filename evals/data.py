@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 GUTENBERG = "gutenberg"  # each play one document
-GUTENBERG_JOINED = "gutenberg-joined"  # the first six plays joined: the long document of NOTES §7
+# the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
+GUTENBERG_JOINED = "gutenberg-joined"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 
 

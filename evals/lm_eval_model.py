@@ -25,6 +25,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import rope_ext
+from rope_ext.defaults import resolve_checkpoint
 
 from . import loading
 
@@ -54,19 +55,15 @@ class RopeExtLM(HFLM):
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if device is None or (str(device).startswith("cuda") and not _cuda()):
             device = "cpu"  # lm-eval's default is cuda; a CPU-only machine would fail later, not here
-        super().__init__(pretrained=loading.resolve_pretrained(pretrained), device=device, max_length=max_length, **kwargs)
-        if method is None:
-            saved = getattr(self.model.config, "rope_ext", None)
-            self.patch_info = self._reapply(saved) if saved else None
+        path = resolve_checkpoint(pretrained)
+        super().__init__(pretrained=path, device=device, max_length=max_length, **kwargs)
+        if method is None:  # a checkpoint saved after rope_ext.patch, loaded by transformers alone
+            self.patch_info = rope_ext.reapply(self.model, path)
         else:
             self.patch_info = loading.apply_method(self.model, method, factor, params, original_window)
         if max_length is None and self.patch_info is not None:
             self._max_length = self.patch_info.max_length
         log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
-
-    def _reapply(self, saved: dict):
-        """A checkpoint saved after rope_ext.patch, loaded by transformers alone: patch it again."""
-        return rope_ext.patch(self.model, saved["method"], saved["factor"], **saved["params"])
 
 
 def _cuda() -> bool:

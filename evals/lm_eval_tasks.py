@@ -18,6 +18,9 @@ import re
 
 import datasets
 
+from rope_ext import record as patch_record
+from rope_ext.defaults import resolve_checkpoint
+
 from . import data as data_mod
 from . import loading
 from . import passkey as passkey_mod
@@ -32,7 +35,7 @@ HELDOUT_PLAYS = ("macbeth_gut", "tempest_gut", "twelfth_night_gut", "julius_caes
 def _tokenizer(metadata: dict):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata.get("tokenizer") or loading.resolve_pretrained(metadata.get("pretrained")))
+    return AutoTokenizer.from_pretrained(metadata.get("tokenizer") or resolve_checkpoint(metadata.get("pretrained")))
 
 
 def task_max_length(metadata: dict) -> int:
@@ -42,18 +45,14 @@ def task_max_length(metadata: dict) -> int:
         return int(metadata["max_length"])
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(loading.resolve_pretrained(metadata.get("pretrained")))
-    saved = getattr(config, "rope_ext", None)
-    if saved:
-        original = saved["original"]
-        window = original.get("original_window", original["max_position_embeddings"])
-    else:
-        window = config.max_position_embeddings
+    config = AutoConfig.from_pretrained(resolve_checkpoint(metadata.get("pretrained")))
+    saved = patch_record.read(config)
+    window = saved.original_window if saved else config.max_position_embeddings
     method, factor = metadata.get("method"), metadata.get("factor")
     if method and method != "plain":
         return math.ceil(window * float(factor))
     if saved and not method:
-        return math.ceil(window * saved["factor"])
+        return math.ceil(window * saved.factor)
     return window
 
 

@@ -4,14 +4,13 @@ many positions it is meant for."""
 from __future__ import annotations
 
 import ast
-import math
 import warnings
 from pathlib import Path
 
 import rope_ext
+from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoint, where a name is expected
 
 PLAIN = "plain"  # the unpatched model
-DEFAULT_MODEL = "smollm2"  # the embedded checkpoint, where a name is expected
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -97,15 +96,6 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str | No
     return model.to(device).eval(), tokenizer
 
 
-def resolve_pretrained(name: str | None) -> str:
-    """A checkpoint name with `smollm2` (or nothing) standing for the embedded SmolLM2's local copy."""
-    if name in (None, "", DEFAULT_MODEL):
-        from rope_ext.defaults import smollm2_path
-
-        return str(smollm2_path())
-    return name
-
-
 def apply_method(model, method: str = PLAIN, factor: float | None = None, params: dict | None = None,
                  original_window: int | None = None):
     """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo;
@@ -144,8 +134,7 @@ def capacity(model) -> tuple[int, str]:
     described = patched(model)
     if described is not None:
         window = described["geometry"]["original_window"]
-        max_length = described.get("max_length") or math.ceil(window * described["factor"])
-        return max_length, f"{described['method']} x{described['factor']:g} of its {window}-token window"
+        return described["max_length"], f"{described['method']} x{described['factor']:g} of its {window}-token window"
     config = model.config
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_length", None)
     if limit is None:

@@ -1,12 +1,15 @@
 """Where eval results go: a folder per run holding JSON, a markdown table and plots. An existing
 result file is never replaced unless the user says --overwrite; the check runs before any
-compute, so a forgotten --output costs nothing."""
+compute, so a forgotten --output costs nothing. Every results file records its provenance
+(`provenance`): the software versions, the machine settings and the checkpoint."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 DEFAULT_ROOT = "rope-ext-results"
@@ -90,3 +93,57 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def config_hash(model_as_given: str | None) -> str:
+    """The first 12 hex digits of the sha256 of the checkpoint's config.json, read as JSON and
+    dumped with sorted keys and without `transformers_version`.
+
+    It hashes the file, not the loaded model's config, because a patch rewrites that config
+    (rope_parameters, max_position_embeddings, the `rope_ext` record): the same checkpoint hashes
+    the same whatever ran on it, patched or not. `transformers_version` names the library that
+    wrote the file, not the model, so a checkpoint re-saved by another version keeps its hash."""
+    from transformers.utils import cached_file
+
+    from rope_ext.defaults import resolve_checkpoint
+
+    name = resolve_checkpoint(model_as_given)
+    local = Path(name).expanduser()  # loading expands ~ too
+    path = local / "config.json" if local.is_dir() else Path(cached_file(name, "config.json"))
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.pop("transformers_version", None)
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def provenance(model, model_as_given: str | None) -> dict:
+    """What a results file records about where its numbers come from. Called when the
+    measurement starts, so `date` (UTC) and `threads` are those of the run.
+
+    model: the loaded model (its first parameter gives device and dtype). model_as_given: the
+    path or hub id the user passed, None for the embedded SmolLM2."""
+    import torch
+    import transformers
+
+    import rope_ext
+    from rope_ext.defaults import SMOLLM2
+
+    parameter = next(model.parameters())
+    return {
+        "rope_ext": rope_ext.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "device": str(parameter.device),
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": model_as_given or SMOLLM2,
+        "config_sha256": config_hash(model_as_given),
+    }
+
+
+def provenance_line(record: dict) -> str:
+    """The one line a markdown results file gives its provenance."""
+    return (f"Provenance: rope-ext {record['rope_ext']}, transformers {record['transformers']}, torch {record['torch']}; "
+            f"{record['device']}, {record['dtype']}, {record['threads']} thread(s); {record['date']}; "
+            f"model {record['model']} (config sha256 {record['config_sha256']}).\n")

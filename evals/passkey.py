@@ -1,12 +1,12 @@
 """Passkey retrieval (`rope-ext eval passkey`): the landmark-attention prompt, a grid of prompt
 lengths x key depths with seeded trials, greedy decoding, exact match of the key.
 
-The prompt (NOTES §5): a task line, filler sentences, the key line at the chosen depth of the
-filler, more filler, and the question; the model must continue "The pass key is" with the key.
-A prompt's length is its token count (special tokens the tokenizer adds included); it is the
-longest such prompt that fits in the requested length, so it falls short by less than one filler
-sentence. The key of each trial is drawn from 1..50000 by a generator seeded with
-(seed, length, depth, trial), so a cell's keys do not depend on the rest of the grid.
+The prompt (docs/references.md, "Eval protocols"): a task line, filler sentences, the key line at
+the chosen depth of the filler, more filler, and the question; the model must continue "The pass
+key is" with the key. A prompt's length is its token count (special tokens the tokenizer adds
+included); it is the longest such prompt that fits in the requested length, so it falls short by
+less than one filler sentence. The key of each trial is drawn from 1..50000 by a generator seeded
+with (seed, length, depth, trial), so a cell's keys do not depend on the rest of the grid.
 """
 
 from __future__ import annotations
@@ -189,13 +189,14 @@ def run(args: argparse.Namespace) -> int:
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
+    record = output.provenance(model, args.model)
     started = time.perf_counter()
     result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens), tokenizer, lengths, args.depths,
                         args.trials, args.seed, args.limit, progress=not args.no_progress)
     setup = {**loading.describe_setup(model, info, args.method, params), "trials": args.trials, "seed": args.seed,
              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 2)}
-    out.write_json("passkey.json", {"setup": setup, **result})
-    text = markdown(result, setup)
+    out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
+    text = markdown(result, setup) + "\n" + output.provenance_line(record)
     out.write_text("passkey.md", text)
     from .plots import passkey_heatmap
 

@@ -33,13 +33,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
+
+from rope_ext.chunked import token_nll
 
 from . import data as data_mod
 from . import loading, output
-
-LOGIT_ELEMENTS_PER_CHUNK = 1 << 25  # 128 MiB of fp32 logits at a time
 
 
 @dataclass(frozen=True)
@@ -80,17 +79,15 @@ def prefix_consistent(model) -> bool:
 
 
 class TokenScorer:
-    """Hidden states from the model body; NLL from the LM head on chosen rows only, in chunks."""
+    """Hidden states from the model body; NLL from the LM head on chosen rows only, in chunks
+    (rope_ext.chunked.token_nll)."""
 
     def __init__(self, model):
-        self.decoder = model.get_decoder()
-        self.head = model.get_output_embeddings()
-        if self.head is None:
+        if model.get_output_embeddings() is None:
             raise ValueError(f"{type(model).__name__} exposes no output embeddings (LM head) to score tokens with")
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)
-        vocab = self.head.weight.shape[0]
-        self.rows_per_chunk = max(1, LOGIT_ELEMENTS_PER_CHUNK // vocab)
-        self.device = self.head.weight.device
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.device = model.get_output_embeddings().weight.device
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, H] for one sequence of token ids [T]."""
@@ -99,14 +96,7 @@ class TokenScorer:
 
     def nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """-log p(target) for each row, float64 on the CPU."""
-        targets = targets.to(self.device)
-        parts = []
-        for start in range(0, hidden.shape[0], self.rows_per_chunk):
-            logits = self.head(hidden[start : start + self.rows_per_chunk]).float()
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            parts.append(F.cross_entropy(logits, targets[start : start + self.rows_per_chunk], reduction="none"))
-        return torch.cat(parts).double().cpu() if parts else torch.zeros(0, dtype=torch.float64)
+        return token_nll(self.model, hidden, targets)
 
 
 @dataclass
@@ -172,7 +162,8 @@ def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool 
 
     stride: tokens between window starts (default: the length itself, non-overlapping windows).
     truncate: cut each document to its first `length` tokens, one window per document, as YaRN's
-        --truncate and NOTES §7 do. bucket: width of the position buckets (default: max length / 8).
+        --truncate and docs/references.md, "Reference measurements on SmolLM2-135M" do.
+    bucket: width of the position buckets (default: max length / 8).
     share: let windows that start together share a forward (default: when exact, see
         prefix_consistent)."""
     lengths = sorted(set(int(n) for n in lengths))
@@ -315,14 +306,15 @@ def run(args: argparse.Namespace) -> int:
         if n > longest_doc:
             print(f"rope-ext: no document reaches {n} tokens (longest: {longest_doc}); "
                   f"the PPL at {n} covers shorter contexts only (see max_positions)", file=sys.stderr)
+    record = output.provenance(model, args.model)
     started = time.perf_counter()
     results = evaluate(model, documents, args.lengths, stride=args.stride, bos=bos, bos_id=bos_id,
                        truncate=args.truncate, bucket=args.bucket, progress=not args.no_progress)
     setup = {**loading.describe_setup(model, info, args.method, params), "data": args.data, "documents": len(documents),
              "document_tokens": sum(len(d) for d in documents), "stride": args.stride, "bos": bos,
              "truncate": args.truncate, "seconds": round(time.perf_counter() - started, 2)}
-    out.write_json("ppl.json", {"setup": setup, "lengths": {str(n): r for n, r in results.items()}})
-    text = markdown(results, setup)
+    out.write_json("ppl.json", {"setup": setup, "lengths": {str(n): r for n, r in results.items()}, "provenance": record})
+    text = markdown(results, setup) + "\n" + output.provenance_line(record)
     out.write_text("ppl.md", text)
     from .plots import bucket_plot
 

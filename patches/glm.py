@@ -11,14 +11,14 @@ units, window / ratio, where the ramp and band formulas were derived.)
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import replace
 
 from torch import nn
 
+from rope_ext import record as patch_record
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.scaling import Method, ntk_base
+from rope_ext.method.base import Method
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .llama import LlamaFamily, RotarySite
@@ -77,25 +77,13 @@ class PrescaledRotaryEmbedding(ExtendedRotaryEmbedding):
         return f"{super().extra_repr()}, position_ratio={self.position_ratio}"
 
 
-def prescaled_native_parameters(rotary: PrescaledRotaryEmbedding, rope: dict) -> dict | None:
-    """transformers `rope_parameters` that reproduce a patch on a linear-scaled checkpoint: only
-    linear and ntk compose with the checkpoint's linear scaling into one native type."""
-    partial = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
-    ratio, geometry = rotary.position_ratio, rotary.method_geometry
-    if rotary.method.name == "linear":
-        return {"rope_type": "linear", "factor": ratio * rotary.factor, "rope_theta": geometry.base, **partial}
-    if rotary.method.name == "ntk":
-        return {"rope_type": "linear", "factor": ratio, "rope_theta": ntk_base(geometry, rotary.factor), **partial}
-    return None
-
-
 class GlmFamily(LlamaFamily):
     name = "glm"
     model_types = ("glm", "glm4")
     layout = "interleaved"
 
     def original_record(self, site: RotarySite, original_window: int | None) -> tuple[dict, bool]:
-        fresh = self.installed(site) is None and not getattr(site.config, "rope_ext", None)
+        fresh = self.installed(site) is None and patch_record.read(site.config) is None
         if fresh and original_window is None and checkpoint_position_ratio(site.config.rope_parameters) != 1:
             original_window = site.config.max_position_embeddings
         return super().original_record(site, original_window)
@@ -110,10 +98,9 @@ class GlmFamily(LlamaFamily):
             spec, factor, params, geometry, original_cls, record, site.rotary.inv_freq.device, position_ratio=ratio
         )
 
-    def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, max_length: int) -> dict | None:
-        native = super().install(site, rotary, max_length)
+    def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
         if isinstance(rotary, PrescaledRotaryEmbedding):
-            rope = rotary.original["rope_parameters"]
-            native = prescaled_native_parameters(rotary, rope)
-            site.config.rope_parameters = native if native is not None else copy.deepcopy(rope)
-        return native
+            return rotary.method.native_over_linear(
+                rotary.method_geometry, rotary.factor, rotary.position_ratio, rotary.original["rope_parameters"]
+            )
+        return super().native(rotary)

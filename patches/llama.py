@@ -2,8 +2,8 @@
 layers, pairs split in halves (`rotate_half`), the whole head rotated.
 
 This adapter is also the base for every transformers-native family (GLM differs only in layout
-and model types): it reads and writes `config.rope_parameters` and routes dynamic methods through
-the rope-ext attention wrapper."""
+and model types): it reads and writes `config.rope_parameters` and routes dynamic methods and
+methods' attention transforms through the rope-ext attention wrapper."""
 
 from __future__ import annotations
 
@@ -13,19 +13,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from rope_ext import record as patch_record
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.scaling import Method, default_inv_freq, ntk_base
+from rope_ext.method.base import Method, ModelFacts, default_inv_freq
 from rope_ext.rotary import ExtendedRotaryEmbedding
+
+from .base import FamilyAdapter, unwrap
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 @dataclass
@@ -42,36 +39,12 @@ class RotarySite:
         return self.model.config
 
 
-def native_rope_parameters(method: str, geometry: RotaryGeometry, factor: float, params: dict, rope: dict) -> dict | None:
-    """transformers `rope_parameters` that reproduce the method on a plain reload, or None."""
-    base = {"rope_theta": geometry.base, **{k: v for k, v in rope.items() if k == "partial_rotary_factor"}}
-    window = {"original_max_position_embeddings": geometry.original_window}
-    yarn = {k: params.get(k) for k in ("beta_fast", "beta_slow", "truncate")}
-    if method == "linear":
-        return {"rope_type": "linear", "factor": factor, **base}
-    if method == "ntk":
-        return {"rope_type": "default", **base, "rope_theta": ntk_base(geometry, factor)}
-    if method == "dynamic":
-        # exact for causal=False; transformers has no per-token schedule (rope_ext.from_pretrained restores it)
-        return {"rope_type": "dynamic", "factor": factor, **base}
-    if method == "yarn":
-        temperature = {} if params["attention_factor"] is None else {"attention_factor": params["attention_factor"]}
-        return {"rope_type": "yarn", "factor": factor, **base, **window, **yarn, **temperature}
-    if method == "ntk_by_parts":
-        return {"rope_type": "yarn", "factor": factor, **base, **window, **yarn, "attention_factor": 1.0}
-    if method == "llama3":
-        return {"rope_type": "llama3", "factor": factor, **base, **window, **params}
-    return None
-
-
-class LlamaFamily:
+class LlamaFamily(FamilyAdapter):
     name = "llama"
     model_types = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
     layout = "half"
-
-    def matches(self, model: nn.Module) -> bool:
-        config = getattr(unwrap(model), "config", None)
-        return getattr(config, "model_type", None) in self.model_types
+    lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections
+    attention_interface = True
 
     def site(self, model: nn.Module) -> RotarySite:
         hf_model = unwrap(model)
@@ -95,8 +68,8 @@ class LlamaFamily:
                 record["original_window"] = original_window
             return record, False
         config = site.config
-        saved = getattr(config, "rope_ext", None)  # reloaded from a patched checkpoint
-        record = copy.deepcopy(saved["original"]) if saved else {
+        saved = patch_record.read(config)  # reloaded from a patched checkpoint
+        record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else {
             "rope_parameters": copy.deepcopy(config.rope_parameters),
             "max_position_embeddings": config.max_position_embeddings,
         }
@@ -140,33 +113,42 @@ class LlamaFamily:
                 )
         return geometry
 
+    def facts(self, site: RotarySite) -> ModelFacts:
+        config = site.config
+        return ModelFacts(
+            family=self.name,
+            backend=base_name(config._attn_implementation or "eager"),
+            num_heads=config.num_attention_heads,
+            causal=all(getattr(module, "is_causal", True) for module in site.attention),
+            attention_interface=self.attention_interface,
+        )
+
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         current = self.installed(site)
         original_cls = current.original_cls if current is not None else type(site.rotary)
         return ExtendedRotaryEmbedding(spec, factor, params, geometry, original_cls, record, site.rotary.inv_freq.device)
 
-    def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, max_length: int) -> dict | None:
+    def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
+        """transformers `rope_parameters` that reproduce the patch on a plain reload, or None."""
+        return rotary.method.native(rotary.geometry, rotary.factor, rotary.params, rotary.original["rope_parameters"])
+
+    def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
-        (dynamic methods; transforms the method adds, such as alibi_hybrid's bias), write the config
+        (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
         so that a plain reload reproduces the patch where transformers can. Returns the native
         parameters."""
         if self.installed(site) is not None:
             self._detach(site)
         site.decoder.rotary_emb = rotary
         site.rotary = rotary
-        # `attention_transforms` is set by patch() for methods that change attention beyond the rotation.
-        added = getattr(rotary, "attention_transforms", ())
-        rotates = any(transform.rotates for transform in added)  # e.g. self_extend's grouped attention
-        chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(added)
+        rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
+        chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
-            self._attach_attention(site, chain)
-        record, config = rotary.original, site.config
-        native = native_rope_parameters(rotary.method.name, rotary.geometry, rotary.factor, rotary.params, record["rope_parameters"])
-        config.rope_parameters = native if native is not None else copy.deepcopy(record["rope_parameters"])
-        # transformers' `dynamic` reads max_position_embeddings as the original window, and
-        # `dynamic_yarn` and `self_extend` have no native form (a plain reload is the unscaled
-        # model): all keep it.
-        if rotary.method.name not in ("dynamic", "dynamic_yarn", "self_extend"):
+            self._attach_attention(site, chain, rotary.method.name)
+        config = site.config
+        native = self.native(rotary)
+        config.rope_parameters = native if native is not None else copy.deepcopy(rotary.original["rope_parameters"])
+        if not rotary.method.keeps_config_window:
             config.max_position_embeddings = max_length
         return native
 
@@ -180,7 +162,7 @@ class LlamaFamily:
         site.decoder.rotary_emb = restored
         site.rotary = restored
 
-    def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform]) -> None:
+    def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform], method: str) -> None:
         """Route attention through the rope-ext wrapper of the current backend, running `transforms`
         in order, and let each add what it keeps on the model (hooks, parameters)."""
         config = site.config
@@ -188,15 +170,14 @@ class LlamaFamily:
         chain = AttentionChain(transforms)
         for module in site.attention:
             module.rope_ext_attention = chain
-        for transform in chain.transforms:
-            transform.attach(site)
+        chain.attach(site, method)
         config._attn_implementation = name
 
     def _detach(self, site: RotarySite) -> None:
         """Undo `_attach_attention` (nothing to undo for static methods without transforms)."""
         chain = getattr(site.attention[0], "rope_ext_attention", None)
-        for transform in chain.transforms if chain is not None else ():
-            transform.detach(site)
+        if chain is not None:
+            chain.detach(site)
         for module in site.attention:
             if hasattr(module, "rope_ext_attention"):
                 del module.rope_ext_attention

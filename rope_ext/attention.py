@@ -7,8 +7,8 @@ The same mask function as the backend's is registered under the new name, so cau
 masks are built exactly as before.
 
 A patch's chain, in order: the rotation of dynamic methods (`RotateInAttention`), then what a
-method adds to the logits (alibi_hybrid's bias, rope_ext.patches.alibi). The bias comes last
-because it is defined on the queries and keys the backend finally sees.
+method adds (`Method.attention`: alibi_hybrid's bias, rope_ext.method.alibi_hybrid). The bias
+comes last because it is defined on the queries and keys the backend finally sees.
 """
 
 from __future__ import annotations
@@ -22,9 +22,36 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
-from .rotary import ExtendedRotaryEmbedding, apply_rotary
+from .rotation import apply_rotary
 
 PREFIX = "rope_ext_"
+
+
+class StaticCacheError(ValueError, RuntimeError):
+    """A pre-allocated (static) KV cache reached a patch that needs each key's position: the
+    cache hands attention its whole allocation, not the keys that were written."""
+
+
+def refuse_static_cache(method: str) -> Callable:
+    """A forward pre-hook for the decoder that raises StaticCacheError on a static cache."""
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if getattr(cache, "is_compileable", False):
+            raise StaticCacheError(
+                f"{method}: pre-allocated (static) KV caches are not supported, because the patch needs each "
+                "key's position; use the default DynamicCache"
+            )
+
+    return hook
+
+
+def causal_mask(first: int, rows: int, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [1, 1, rows, keys] mask for query rows that are key indices first .. first+rows-1:
+    0 where the key index is at most the query's, the dtype's minimum after it."""
+    query_index = torch.arange(first, first + rows, device=device)
+    allowed = torch.arange(keys, device=device)[None, :] <= query_index[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def backend(module: torch.nn.Module, name: str) -> Callable:
@@ -99,6 +126,21 @@ class AttentionChain:
         if not transforms:
             raise ValueError("an attention chain needs at least one transform")
         self.transforms = tuple(transforms)
+        self._hooks: list = []
+
+    def attach(self, site, method: str) -> None:
+        """Let each transform add what it keeps on the model. Every chain needs the positions of
+        the cached keys, which a static cache does not give: such a cache is refused."""
+        for transform in self.transforms:
+            transform.attach(site)
+        self._hooks = [site.decoder.register_forward_pre_hook(refuse_static_cache(method), with_kwargs=True)]
+
+    def detach(self, site) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for transform in self.transforms:
+            transform.detach(site)
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
         for transform in reversed(self.transforms):
@@ -119,7 +161,7 @@ class RotateInAttention(AttentionTransform):
     Queries that use different scalings (causal schedule past the window) are attended in groups,
     each against keys rotated with that group's scaling; causality is by index, as in the model."""
 
-    def __init__(self, rotary: ExtendedRotaryEmbedding):
+    def __init__(self, rotary):
         self.rotary = rotary
         self._hooks: list = []
 
@@ -141,10 +183,7 @@ class RotateInAttention(AttentionTransform):
         kv_len, q_len = key.shape[-2], query.shape[-2]
         written = frame.k_pos.shape[-1]
         if written < kv_len:
-            raise RuntimeError(
-                f"rope_ext: the KV cache returned {kv_len} keys but {written} were written; "
-                "static (pre-allocated) caches are not supported with dynamic methods"
-            )
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         lengths = frame.lengths
         groups = torch.unique(lengths).tolist()
@@ -160,10 +199,7 @@ class RotateInAttention(AttentionTransform):
             if attention_mask is not None:
                 mask = attention_mask[:, :, lo:hi, :end]
             else:
-                q_idx = torch.arange(offset + lo, offset + hi, device=query.device)
-                allowed = torch.arange(end, device=query.device)[None, :] <= q_idx[:, None]
-                mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-                mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+                mask = causal_mask(offset + lo, hi - lo, end, query.dtype, query.device)
             part, _ = self._attend(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, frame,
                                    length, (lo, hi), (first_key, first_key + end), kwargs)
             if out is None:

@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from . import method as methods
+from .patching import describe
+
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
 
 
@@ -47,14 +50,11 @@ def _check(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
 
 def _warn_slow_schedule(model, chunk_size: int) -> None:
     """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
-    from .patching import describe
-
     try:
         described = describe(model)
     except ValueError:  # a model family rope-ext does not patch: nothing to check
         return
-    # self_extend has no per-length scaling: one group per forward past the window
-    if described is None or described["method"] == "self_extend" or "granularity" not in described["params"]:
+    if described is None or not methods.get(described["method"], described["params"]).rescales:
         return
     params = described["params"]
     if params.get("causal", True) and params["granularity"] < chunk_size:
@@ -127,6 +127,16 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) for each row of hidden states [T, hidden], float64 on the CPU: the LM head
+    runs on LOGIT_ELEMENTS logits at a time, so memory never holds T x vocab."""
+    rows = max(1, LOGIT_ELEMENTS // model.get_output_embeddings().weight.shape[0])
+    targets = targets.to(hidden.device)
+    parts = [F.cross_entropy(lm_logits(model, hidden[lo : lo + rows]), targets[lo : lo + rows], reduction="none").double().cpu()
+             for lo in range(0, targets.numel(), rows)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
 @torch.no_grad()
 def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bool = False) -> torch.Tensor:
     """-log p(ids[t + 1] | ids[: t + 1]) for t = 0 .. T-2, float64 on the CPU, from one pass through
@@ -136,15 +146,11 @@ def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bo
     if input_ids.shape[0] != 1:
         raise ValueError(f"chunked_nll scores one sequence at a time, got a batch of {input_ids.shape[0]}")
     ids = input_ids[0]
-    rows = max(1, LOGIT_ELEMENTS // model.get_output_embeddings().weight.shape[0])
     parts = []
 
     def score(start: int, hidden: torch.Tensor) -> None:
-        hidden = hidden[0]
-        targets = ids[start + 1 : start + 1 + hidden.shape[0]].to(hidden.device)
-        for lo in range(0, targets.numel(), rows):  # the last chunk's last row has no target
-            logits = lm_logits(model, hidden[lo : lo + rows][: targets.numel() - lo])
-            parts.append(F.cross_entropy(logits, targets[lo : lo + rows], reduction="none").double().cpu())
+        targets = ids[start + 1 : start + 1 + hidden.shape[1]]  # the last chunk's last row has no target
+        parts.append(token_nll(model, hidden[0, : targets.numel()], targets))
 
     chunked_forward(model, ids, chunk_size, keep_hidden=False, on_chunk=score, progress=progress)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)

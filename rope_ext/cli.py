@@ -14,7 +14,7 @@ COMMANDS = {
     "eval ppl": ("rope_ext.evals.perplexity", "sliding-window perplexity of long documents"),
     "eval passkey": ("rope_ext.evals.passkey", "passkey retrieval over lengths x depths"),
     "compare": ("rope_ext.evals.compare", "methods x lengths on one model: perplexity and passkey"),
-    "convert-chatglm": ("rope_ext.convert_chatglm", "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
+    "convert-chatglm": ("rope_ext.patches.chatglm.convert", "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
 }
 # `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered.
 LM_EVAL = "lm-eval"

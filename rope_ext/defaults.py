@@ -11,6 +11,7 @@ from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WINDOW = 8192
+SMOLLM2 = "smollm2"  # the name that stands for the embedded checkpoint wherever a model is named
 
 
 def cache_dir() -> Path:
@@ -47,7 +48,8 @@ def gutenberg_documents() -> dict[str, str]:
 
 
 def gutenberg_text(n_files: int = 6) -> str:
-    """The first `n_files` plays joined by blank lines: the long document of NOTES §7."""
+    """The first `n_files` plays joined by blank lines: the long document of the reference
+    measurements (docs/references.md, "Reference measurements on SmolLM2-135M")."""
     docs = list(gutenberg_documents().values())
     return "\n\n".join(docs[:n_files])
 
@@ -86,6 +88,14 @@ def smollm2_path() -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     return out
+
+
+def resolve_checkpoint(name: str | None) -> str:
+    """What `from_pretrained` should load for a model name: the embedded SmolLM2's local copy for
+    "smollm2" (or no name), anything else as given (a local path or a hub id)."""
+    if name in (None, "", SMOLLM2):
+        return str(smollm2_path())
+    return name
 
 
 def load_smollm2(dtype=None, attn_implementation: str = "sdpa"):

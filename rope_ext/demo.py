@@ -1,8 +1,8 @@
 """`rope-ext demo`: the embedded SmolLM2 (trained window 8192) reads Gutenberg text past its
 window, unpatched and patched, and perplexity by position shows where plain RoPE breaks.
 
-The protocol is that of the reference numbers in the project notes: the first six Gutenberg plays
-joined, one forward over the first --length tokens, token-level NLL, no BOS."""
+The protocol is that of docs/references.md, "Reference measurements on SmolLM2-135M": the first six
+Gutenberg plays joined, one forward over the first --length tokens, token-level NLL, no BOS."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     document = Document("gutenberg-joined", ids)
     print(f"SmolLM2-135M, trained window {window}; {args.length} tokens of Gutenberg text; torch threads {torch.get_num_threads()}")
 
+    record = output.provenance(model, None)
     results = {}
     for method in methods:
         factor = None if method == loading.PLAIN else args.factor
@@ -60,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     table = output.markdown_table(header, rows)
     note = f"Perplexity by position (tokens), window {window}: buckets past {window // 1024}k are beyond what the model was trained on."
     print("\n" + note + "\n" + table)
-    folder.write_json("demo.json", {"length": args.length, "window": window, "factor": args.factor, "results": results})
-    folder.write_text("demo.md", note + "\n\n" + table + "\n")
+    folder.write_json("demo.json", {"length": args.length, "window": window, "factor": args.factor, "results": results,
+                                    "provenance": record})
+    folder.write_text("demo.md", note + "\n\n" + table + "\n" + output.provenance_line(record))
     print(f"\nwrote {folder.folder}/demo.json and demo.md")
     return 0

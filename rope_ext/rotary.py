@@ -1,4 +1,4 @@
-"""The rotary module rope-ext installs in place of a model's own, and the rotation it applies.
+"""The rotary module rope-ext installs in place of a model's own (the rotation math: rotation.py).
 
 Static methods (linear, ntk, yarn, ...) are a new set of frequencies: the module returns (cos, sin)
 exactly as transformers' rotary modules do and the model's attention applies them unchanged.
@@ -15,80 +15,14 @@ angles for every key, in any dtype.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable
 
 import torch
 from torch import nn
 
 from .geometry import RotaryGeometry
-from .scaling import Method
-
-
-def cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype):
-    """(cos, sin) of shape [..., S, D] laid out cat(freqs, freqs), as transformers' rotary modules
-    return them; angles and the attention factor in fp32, then cast to the activations' dtype."""
-    with torch.autocast(device_type=positions.device.type, enabled=False):
-        freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * scale
-        sin = emb.sin() * scale
-    return cos.to(dtype=dtype), sin.to(dtype=dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """x * cos + turn(x) * sin, where turn takes each rotated pair (a, b) to (-b, a).
-
-    The turn is applied by slices instead of being built (transformers' rotate_half concatenates
-    a negated copy): the same roundings, so the same bits, at a fraction of the memory traffic."""
-    if layout == "half":
-        half = x.shape[-1] // 2
-        first, second = (slice(None, half), slice(half, None))
-    else:
-        first, second = (slice(0, None, 2), slice(1, None, 2))
-    out = x * cos
-    out[..., first] -= x[..., second] * sin[..., first]
-    out[..., second] += x[..., first] * sin[..., second]
-    return out
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """Rotate the first D channels of x [B, H, S, head_dim] by (cos, sin) [B, S, D] from `cos_sin`;
-    channels past D pass through (partial rotary)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if layout == "interleaved":
-        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    dim = cos.shape[-1]
-    if dim == x.shape[-1]:
-        return _rotate(x, cos, sin, layout)
-    return torch.cat((_rotate(x[..., :dim], cos, sin, layout), x[..., dim:]), dim=-1)
-
-
-@dataclass
-class RotationFrame:
-    """Positions seen by one forward pass of a dynamic method, shared by all layers.
-
-    lengths[b, i] is the length whose scaling query i of row b uses; `angles(length)` gives that
-    scaling's (inv_freq, attention_factor), computed once per forward."""
-
-    q_pos: torch.Tensor  # [B, Sq]
-    k_pos: torch.Tensor  # [B, Sk], cached keys first
-    lengths: torch.Tensor  # [B, Sq]
-    angles: Callable[[int], tuple[torch.Tensor, float]]
-    _rotations: dict = field(default_factory=dict, repr=False)
-
-    def rotation(self, length: int, keys: bool, start: int, stop: int, dtype: torch.dtype):
-        """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer
-        needs the same ones, so they are computed once per forward: in decoding, where the query
-        is one token and the keys are the whole cache, that is most of the rotation's cost."""
-        key = (length, keys, start, stop, dtype)
-        if key not in self._rotations:
-            inv_freq, scale = self.angles(length)
-            positions = (self.k_pos if keys else self.q_pos)[:, start:stop]
-            self._rotations[key] = cos_sin(inv_freq, scale, positions, dtype)
-        return self._rotations[key]
+from .method.base import Method
+from .rotation import RotationFrame, cos_sin
 
 
 class ExtendedRotaryEmbedding(nn.Module):
@@ -138,7 +72,7 @@ class ExtendedRotaryEmbedding(nn.Module):
         return inv_freq.to(self.inv_freq.device), scale
 
     def scaled_lengths(self, q_pos: torch.Tensor) -> torch.Tensor:
-        """The length whose scaling each query uses (see SCHEDULE_PARAMS in methods.py).
+        """The length whose scaling each query uses (SCHEDULE_PARAMS, rope_ext.method.base).
         Every length inside the window maps to the window itself: one group, original angles."""
         window = self.geometry.original_window
         if not self.params["causal"]:

@@ -20,7 +20,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import rope_ext
-from rope_ext.patches import alibi
+from rope_ext.method import alibi_hybrid as alibi
 
 from helpers import WINDOW, random_model
 

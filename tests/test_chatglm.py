@@ -20,8 +20,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GlmForCausalLM
 
 import rope_ext
-from rope_ext.convert_chatglm import add_arguments, convert_chatglm, ratio_meaning_from_code, run
-from rope_ext.patches.chatglm import ChatGLMRotaryEmbedding, read_convention, reference_table
+from rope_ext.patches.chatglm.convert import add_arguments, convert_chatglm, ratio_meaning_from_code, run
+from rope_ext.patches.chatglm.adapter import ChatGLMRotaryEmbedding, read_convention, reference_table
 
 FIXTURE = Path(__file__).parent / "fixtures" / "chatglm"
 WINDOW = 32  # the fixtures' seq_length

@@ -149,7 +149,7 @@ def test_head_runs_in_chunks(tiny_model, heldout_docs, monkeypatch):
     rows = []
     tiny_model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     vocab = tiny_model.config.vocab_size
-    monkeypatch.setattr(perplexity, "LOGIT_ELEMENTS_PER_CHUNK", 7 * vocab)
+    monkeypatch.setattr(rope_ext.chunked, "LOGIT_ELEMENTS", 7 * vocab)  # the one LM-head helper
     chunked = perplexity.evaluate(tiny_model, heldout_docs, [256], progress=False)[256]
     assert max(rows) == 7
     assert chunked["ppl"] == pytest.approx(full["ppl"], rel=1e-6)  # fp32 matmuls of other shapes round differently

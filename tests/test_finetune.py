@@ -1,4 +1,5 @@
-"""recipes/finetune.py: LoRA fine-tuning of a patched model at its extended window.
+"""recipes/finetune.py (rope_ext.training.finetune): LoRA fine-tuning of a patched model at its
+extended window.
 
 The central run is the README's CPU DDP command (2 processes, gloo) on the tiny trained model:
 yarn x4 (512 tokens, 4x the 128-token window), 100 steps. It must end with identical weights on
@@ -7,7 +8,6 @@ both ranks and with a clearly lower held-out perplexity at 512 tokens than the t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,24 +21,22 @@ import torch.nn.functional as F
 
 import rope_ext
 from rope_ext.defaults import SMOLLM2_WINDOW
-from rope_ext.lora import RECORD_FILE, load_finetuned
+from rope_ext.record import FINETUNE_FILE as RECORD_FILE
+from rope_ext.saving import load_finetuned
+from rope_ext.training.checkpoints import checkpoints
+from rope_ext.training.checks import length_multiple
+from rope_ext.training.config import DEFAULTS, ConfigError, parse_args
+from rope_ext.training.data import first_tokens, load_documents
+from rope_ext.training.distributed import choose_precision
+from rope_ext.training.finetune import main
+from rope_ext.training.order import DataOrder
+from rope_ext.training.s2_attention import s2_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "finetune.py"
 TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 GPU_CONFIG = ROOT / "recipes" / "configs" / "finetune_smollm2_gpu.yaml"
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "configs" / "accelerate").glob("*.yaml"))
-
-
-def _load_recipe():
-    # recipes/ is a folder of scripts, not a package: load the checkout's file by path.
-    spec = importlib.util.spec_from_file_location("rope_ext_recipe_finetune", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-finetune = _load_recipe()
 
 
 def _accelerate_launch() -> list[str]:
@@ -80,8 +78,8 @@ def ddp_run(tiny_path, tmp_path_factory):
 
 def _eval_documents(tokenizer):
     """The held-out text the recipe evaluates on (finetune_tiny.yaml's eval section)."""
-    cfg, _ = finetune.parse_args(["--config", str(TINY_CONFIG)])
-    return finetune.first_tokens(finetune.load_documents(cfg["eval"], "include", tokenizer), cfg["eval"]["max_tokens"])
+    cfg, _ = parse_args(["--config", str(TINY_CONFIG)])
+    return first_tokens(load_documents(cfg["eval"], "include", tokenizer), cfg["eval"]["max_tokens"])
 
 
 def test_ddp_ranks_end_with_the_same_weights(ddp_run):
@@ -141,13 +139,13 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_path, tmp_path):
     out = tmp_path / "run"
     args = _run_args(tiny_path, out, "--max-steps", "4", "--warmup-steps", "1", "--save-every", "2",
                      "--seq-len", "256", "--s2-groups", "2", "--lora-dropout", "0.1", "--eval-every", "0")
-    finetune.main(args)
+    main(args)
     uninterrupted = load_file(out / "adapter_model.safetensors")
-    assert [p.name for p in finetune.checkpoints(out)] == ["step-2"]
+    assert [p.name for p in checkpoints(out)] == ["step-2"]
     # What a kill after the step-2 checkpoint leaves: the checkpoint and the run config.
     for name in ("adapter_model.safetensors", "adapter_config.json", "train_log.json"):
         (out / name).unlink()
-    log = finetune.main([*args, "--resume"])
+    log = main([*args, "--resume"])
     assert log["resumed_from_step"] == 2
     resumed = load_file(out / "adapter_model.safetensors")
     assert resumed.keys() == uninterrupted.keys()
@@ -176,16 +174,16 @@ def short_text(tmp_path) -> Path:
 def test_bad_input_fails_before_training(tiny_path, tmp_path, short_text, extra, message):
     out = tmp_path / "run"
     extra = [str(short_text) if e == "SHORT_TEXT" else e for e in extra]
-    with pytest.raises(finetune.ConfigError, match=message):
-        finetune.main(_run_args(tiny_path, out, *extra))
+    with pytest.raises(ConfigError, match=message):
+        main(_run_args(tiny_path, out, *extra))
     assert not out.exists()
 
 
 def test_unknown_yaml_key_is_an_error(tmp_path):
     config = tmp_path / "typo.yaml"
     config.write_text("training:\n  epochs: 3\n")
-    with pytest.raises(finetune.ConfigError, match="unknown config key training.'epochs'"):
-        finetune.parse_args(["--config", str(config)])
+    with pytest.raises(ConfigError, match="unknown config key training.'epochs'"):
+        parse_args(["--config", str(config)])
 
 
 @pytest.mark.parametrize(
@@ -199,8 +197,8 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
 def test_resume_refuses_another_run(ddp_run, tiny_path, extra, message):
     out, _ = ddp_run
     before = _snapshot(out)
-    with pytest.raises(finetune.ConfigError, match=message):
-        finetune.main(_run_args(tiny_path, out, *extra))
+    with pytest.raises(ConfigError, match=message):
+        main(_run_args(tiny_path, out, *extra))
     assert _snapshot(out) == before
 
 
@@ -222,18 +220,18 @@ def _reference_s2(query, key, value, groups):
 @pytest.mark.parametrize("groups", [2, 4])
 def test_s2_attention_matches_its_block_mask(groups):
     query, key, value = torch.randn(2, 4, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
-    out, _ = finetune.s2_attention(groups)(None, query, key, value, None)
+    out, _ = s2_attention(groups)(None, query, key, value, None)
     torch.testing.assert_close(out, _reference_s2(query, key, value, groups))
     # No token sees a later one: changing the last token changes no earlier output.
     later = value.clone()
     later[:, :, -1] += 1
-    out_later, _ = finetune.s2_attention(groups)(None, query, key, later, None)
+    out_later, _ = s2_attention(groups)(None, query, key, later, None)
     torch.testing.assert_close(out_later[:, :-1], out[:, :-1])
 
 
 def test_data_order_is_a_function_of_the_position():
-    order = finetune.DataOrder(n=10, seed=3, batch_size=2, grad_accum=1, world=2)
-    again = finetune.DataOrder(n=10, seed=3, batch_size=2, grad_accum=1, world=2)
+    order = DataOrder(n=10, seed=3, batch_size=2, grad_accum=1, world=2)
+    again = DataOrder(n=10, seed=3, batch_size=2, grad_accum=1, world=2)
     first_pass = [i for step in range(3) for rank in range(2) for i in order.indices(step, 0, rank)][:10]
     assert sorted(first_pass) == list(range(10))  # one pass sees every sequence once
     assert again.indices(7, 0, 1) == order.indices(7, 0, 1)  # a resumed run sees the same batches
@@ -278,13 +276,13 @@ def test_accelerate_config_validates(path):
         if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
             parallel = ParallelismConfig()
             assert parallel.cp_size > 1 and parallel.total_size == args.num_processes
-            multiple, _ = finetune.length_multiple(finetune.DEFAULTS, parallel.cp_size)
+            multiple, _ = length_multiple(DEFAULTS, parallel.cp_size)
             assert multiple == 2 * parallel.cp_size
 
 
 def test_gpu_config_targets_32k_on_smollm2():
-    cfg, _ = finetune.parse_args(["--config", str(GPU_CONFIG)])
+    cfg, _ = parse_args(["--config", str(GPU_CONFIG)])
     assert cfg["model"]["path"] == "smollm2" and cfg["patch"]["method"] == "yarn"
     assert cfg["patch"]["factor"] * SMOLLM2_WINDOW == 32768
     assert set(cfg["eval"]["include"]) <= set(cfg["data"]["exclude"])  # never evaluate on training text
-    assert finetune.choose_precision(cfg["training"]["precision"]) in ("bf16", "fp16", "no")
+    assert choose_precision(cfg["training"]["precision"]) in ("bf16", "fp16", "no")

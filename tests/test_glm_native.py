@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.patches.glm import position_geometry
-from rope_ext.scaling import ntk_base
+from rope_ext.method.rope import ntk_base
 
 WINDOW = 32
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}

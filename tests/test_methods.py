@@ -6,7 +6,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import rope_ext
-from rope_ext import scaling as M
+from rope_ext import method as methods
+from rope_ext.method import rope as M
+from rope_ext.method.alibi_hybrid import alibi_slopes
 from rope_ext.geometry import RotaryGeometry
 
 GEOMETRIES = [RotaryGeometry(64, 1e5, 8192), RotaryGeometry(16, 1e4, 128), RotaryGeometry(128, 5e5, 8192)]
@@ -37,7 +39,7 @@ def test_frequencies_match_transformers_bit_for_bit(geom, method, rope, seq_len)
     native, native_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](
         hf_config(geom, rope), None, seq_len=None if length is None else torch.tensor(length)
     )
-    spec = M.get(method)
+    spec = methods.get(method)
     ours, factor = spec(geom, length, rope["factor"], spec.validate(rope["factor"], {}))
     assert ours.dtype == torch.float32
     assert torch.equal(ours, native)
@@ -70,7 +72,7 @@ def test_dynamic_is_identity_inside_the_window_and_grows_past_it():
     geom = GEOMETRIES[1]
     default = M.default_inv_freq(geom)
     for method in ("dynamic", "dynamic_yarn"):
-        spec = M.get(method)
+        spec = methods.get(method)
         params = spec.validate(4, {})
         assert torch.equal(spec(geom, geom.original_window, 4, params)[0], default)
         assert spec(geom, geom.original_window, 4, params)[1] == 1.0
@@ -96,18 +98,18 @@ def test_registry_lists_methods_with_parameters():
 )
 def test_validation_rejects_bad_parameters(factor, params, match):
     with pytest.raises(ValueError, match=match):
-        M.get("yarn").validate(factor, params)
+        methods.get("yarn").validate(factor, params)
 
 
 def test_unknown_method_lists_valid_ones():
     with pytest.raises(ValueError, match="valid methods: linear, ntk"):
-        M.get("rope2")
+        methods.get("rope2")
 
 
 def test_alibi_slopes():
-    assert torch.allclose(M.alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
-    twelve = M.alibi_slopes(12)
-    assert torch.allclose(twelve[:8], M.alibi_slopes(8))
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+    twelve = alibi_slopes(12)
+    assert torch.allclose(twelve[:8], alibi_slopes(8))
     assert torch.allclose(twelve[8:], torch.tensor([2.0 ** (-(2 * k - 1) / 2) for k in range(1, 5)]))
 
 
@@ -119,7 +121,7 @@ def test_in_attention_rotation_has_transformers_bits(layout, rotary_dim):
     from transformers.models.glm.modeling_glm import rotate_half as rotate_interleaved
     from transformers.models.llama.modeling_llama import rotate_half
 
-    from rope_ext.rotary import apply_rotary, cos_sin
+    from rope_ext.rotation import apply_rotary, cos_sin
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 40, 16)

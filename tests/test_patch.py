@@ -148,7 +148,7 @@ def test_angles_stay_fp32_in_a_bf16_model():
     model.to(torch.bfloat16)
     rotary = model.model.rotary_emb
     assert rotary.inv_freq.dtype == torch.float32
-    exact, scale = rope_ext.scaling.get("yarn")(rotary.geometry, None, 4.0, rotary.params)
+    exact, scale = rope_ext.method.get("yarn")(rotary.geometry, None, 4.0, rotary.params)
     assert torch.equal(rotary.inv_freq, exact)
     positions = torch.arange(3 * WINDOW)[None]
     cos, _ = rotary(torch.zeros(1, dtype=torch.bfloat16), positions)

@@ -3,7 +3,6 @@ test size (recipes/configs/pe_study_test.yaml) through its command line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,21 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from rope_ext.study.config import load_config
 from rope_ext.study.encodings import DebertaDisentangled, T5RelativeBias
 from rope_ext.study.model import ENCODINGS, ModelShape, build_model
+from rope_ext.study.run import run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "pe_study.py"
 TEST_CONFIG = ROOT / "recipes" / "configs" / "pe_study_test.yaml"
 SHAPE = ModelShape(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, window=16)
 ENCODING_PARAMS = {"t5": {"num_buckets": 8, "max_distance": 16}, "deberta": {"num_buckets": 8, "max_distance": 16}}
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("pe_study_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_compact_decoder_is_llama_without_its_rotation():
@@ -84,20 +78,18 @@ def test_relative_buckets():
 
 
 def test_refuses_to_replace_results(tmp_path):
-    recipe = load_recipe()
     (tmp_path / "pe_study.json").write_text("{}")
     with pytest.raises(FileExistsError, match="--overwrite"):
-        recipe.main(["--config", str(TEST_CONFIG), "--out", str(tmp_path)])
+        run_study(load_config(TEST_CONFIG), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pe_study.json"]
     assert (tmp_path / "pe_study.json").read_text() == "{}"
 
 
 def test_rejects_bad_config(tmp_path):
-    recipe = load_recipe()
     bad = tmp_path / "bad.yaml"
     bad.write_text(TEST_CONFIG.read_text().replace("  alibi: {}", "  nope: {}"))
     with pytest.raises(ValueError, match="unknown encoding"):
-        recipe.load_config(bad)
+        load_config(bad)
 
 
 @pytest.fixture(scope="module")

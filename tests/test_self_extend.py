@@ -1,4 +1,4 @@
-"""self_extend: SelfExtend's grouped attention (rope_ext.patches.self_extend)."""
+"""self_extend: SelfExtend's grouped attention (rope_ext.method.self_extend)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import AttentionChain, AttentionTransform
-from rope_ext.patches import self_extend
+from rope_ext.method import self_extend
 
 from helpers import WINDOW, random_model
 

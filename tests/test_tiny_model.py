@@ -32,7 +32,7 @@ def rope_variants(config) -> dict[str, dict]:
     head_dim = config.head_dim
     return {
         "plain": {"rope_type": "default", "rope_theta": theta},
-        # fixed NTK-aware: only the base changes (NOTES §1)
+        # fixed NTK-aware: only the base changes (docs/references.md, "Scaling formulas")
         "ntk": {"rope_type": "default", "rope_theta": theta * FACTOR ** (head_dim / (head_dim - 2))},
         "dynamic": {"rope_type": "dynamic", "rope_theta": theta, "factor": float(FACTOR)},
         "yarn": {

@@ -3,7 +3,9 @@ LLaMA-shaped decoder, trained alike and compared past their training window.
 
 `encodings` holds one small class per family (learned absolute, sinusoidal, T5 relative bias,
 DeBERTa disentangled attention, ALiBi); `model` builds the decoder for each, with RoPE as
-transformers' own LlamaForCausalLM so that `rope_ext.patch` extends it.
+transformers' own LlamaForCausalLM so that `rope_ext.patch` extends it. The study itself:
+`config` (the YAML and its rows), `data`, `train`, `measure` (one model at one length, in a fresh
+process), `report` (tables and plot) and `run` (all of it, in order).
 """
 
 from .model import ENCODINGS, CompactDecoder, ModelShape, build_model, count_parameters

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from rope_ext.scaling import alibi_slopes
+from rope_ext.method.alibi_hybrid import alibi_slopes
 
 
 def relative_distances(seq_len: int, device=None) -> torch.Tensor:
@@ -186,7 +186,7 @@ class DebertaDisentangled(PositionEncoding):
 
 class Alibi(PositionEncoding):
     """ALiBi: no position parameters; each head h adds -m_h * (i - j) to its logits, with the
-    geometric slopes m_h of `rope_ext.scaling.alibi_slopes`."""
+    geometric slopes m_h of `rope_ext.method.alibi_hybrid.alibi_slopes`."""
 
     name = "alibi"
 

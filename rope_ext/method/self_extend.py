@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_ext.attention import RotateInAttention, base_name
+from rope_ext.attention import RotateInAttention, causal_mask
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotary import ExtendedRotaryEmbedding, apply_rotary, cos_sin
-from rope_ext.scaling import SCHEDULE_PARAMS, Method, default_inv_freq
+from rope_ext.rotation import apply_rotary, cos_sin
+
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, trained_frequencies
 
 NAME = "self_extend"
 PARAMS = {"group": None, "window": None}
@@ -56,20 +57,18 @@ def capacity(window_tokens: int, group: int, window: int) -> int:
     return group * (window_tokens - window + window // group)
 
 
-def _trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, group, window):
-    return default_inv_freq(geom), 1.0
-
-
 @dataclass(frozen=True)
 class SelfExtendMethod(Method):
     """self_extend as a Method: the trained frequencies and SelfExtend's parameters. It is dynamic
     in rope-ext's sense (what a query sees depends on the length it has seen), so the rotary module
     keeps keys un-rotated; the grouped attention is installed as a transform (`GroupedAttention`)."""
 
+    @property
+    def rescales(self) -> bool:
+        return False  # the trained frequencies at every length: one group per forward past the window
+
     def validate(self, factor, params: dict) -> dict:
-        unknown = sorted(set(params) - set(self.all_params))
-        if unknown:
-            raise ValueError(f"unknown parameter(s) {unknown} for method {NAME!r}; allowed: {', '.join(self.all_params)}")
+        self.check_known(params)
         merged = {**self.all_params, **params}
         for key in ("group", "window"):
             value = merged[key]
@@ -90,43 +89,41 @@ class SelfExtendMethod(Method):
             super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
 
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        """(factor, params with group and window filled in) for this model; ValueError, changing
+        nothing, when they do not fit its window or the model cannot run the grouped attention."""
+        if facts.backend not in BACKENDS:
+            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        trained = geometry.original_window
+        window = params["window"] if params["window"] is not None else max(1, trained // 4)
+        if window >= trained:
+            raise ValueError(f"{NAME}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
+        group = params["group"]
+        if group is None:
+            group = 2
+            while capacity(trained, group, window) < factor * trained:
+                group += 1
+        reach = capacity(trained, group, window)
+        if factor is None:
+            factor = reach / trained
+        elif reach < factor * trained * (1 - 1e-12):
+            raise ValueError(
+                f"{NAME}: group {group} with window {window} reaches {reach} tokens, less than factor {factor:g} x {trained}; "
+                "raise the group, lower the window or the factor"
+            )
+        if not factor > 1:
+            raise ValueError(f"{NAME}: group {group} with window {window} does not extend a {trained}-token window")
+        return float(factor), {**params, "group": group, "window": window}
 
-METHOD = SelfExtendMethod(NAME, _trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True)
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        return [GroupedAttention(rotary)]
 
 
-def resolve(adapter, site, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-    """(factor, params with group and window filled in) for this model; ValueError, changing
-    nothing, when they do not fit its window or the model cannot run the grouped attention."""
-    from .llama import LlamaFamily
-
-    if not isinstance(adapter, LlamaFamily):
-        raise ValueError(
-            f"{NAME} needs attention that runs through transformers' AttentionInterface "
-            f"(transformers-native families); the {adapter.name!r} family does not"
-        )
-    backend = base_name(site.config._attn_implementation or "eager")
-    if backend not in BACKENDS:
-        raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {backend!r}")
-    trained = geometry.original_window
-    window = params["window"] if params["window"] is not None else max(1, trained // 4)
-    if window >= trained:
-        raise ValueError(f"{NAME}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
-    group = params["group"]
-    if group is None:
-        group = 2
-        while capacity(trained, group, window) < factor * trained:
-            group += 1
-    reach = capacity(trained, group, window)
-    if factor is None:
-        factor = reach / trained
-    elif reach < factor * trained * (1 - 1e-12):
-        raise ValueError(
-            f"{NAME}: group {group} with window {window} reaches {reach} tokens, less than factor {factor:g} x {trained}; "
-            "raise the group, lower the window or the factor"
-        )
-    if not factor > 1:
-        raise ValueError(f"{NAME}: group {group} with window {window} does not extend a {trained}-token window")
-    return float(factor), {**params, "group": group, "window": window}
+METHOD = SelfExtendMethod(
+    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
+    # no native form: a plain reload is the unscaled model, so the config keeps its window
+    needs_attention_interface=True, keeps_config_window=True, factor_required=False,
+)
 
 
 class GroupedAttention(RotateInAttention):
@@ -147,10 +144,7 @@ class GroupedAttention(RotateInAttention):
         kv_len, q_len = key.shape[-2], query.shape[-2]
         k_pos = frame.k_pos
         if k_pos.shape[-1] < kv_len:
-            raise RuntimeError(
-                f"rope_ext: the KV cache returned {kv_len} keys but {k_pos.shape[-1]} were written; "
-                f"static (pre-allocated) caches are not supported with {NAME}"
-            )
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
         k_pos = k_pos[..., -kv_len:]
         trained = rotary.geometry.original_window
         group, window = rotary.params["group"], rotary.params["window"]
@@ -188,9 +182,7 @@ class GroupedAttention(RotateInAttention):
         if mask is not None:
             mask = mask[:, :, :hi, :end]
         elif offset:  # sdpa's causal shortcut covers only a square block
-            q_index = torch.arange(offset, end, device=q_own.device)
-            causal = torch.arange(end, device=q_own.device)[None, :] <= q_index[:, None]
-            mask = self._additive(causal[None, None], None, q_own.dtype)
+            mask = causal_mask(offset, hi, end, q_own.dtype, q_own.device)
         out, _ = attend(module, q_own[:, :, :hi], k_own[:, :, :end], value[:, :, :end], mask, **kwargs)
         return out
 

@@ -1,7 +1,8 @@
 """Convert a remote-code ChatGLM2 / ChatGLM3 / GLM-4 checkpoint to a native transformers GLM one.
 
 On transformers 5 the remote-code models still build but cannot generate(); the native `glm` model
-can, and rope-ext, peft and the trainers treat it like LLaMA. The mapping (NOTES §3):
+can, and rope-ext, peft and the trainers treat it like LLaMA. The mapping (docs/references.md,
+"ChatGLM rotary conventions"):
 
     transformer.embedding.word_embeddings       -> model.embed_tokens
     layers.N.input_layernorm / post_attention_layernorm -> same names
@@ -31,6 +32,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from ..base import unwrap
+from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
 MEANINGS = ("base", "positions")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -105,7 +109,6 @@ def _check_supported(config: dict) -> None:
     if config.get("model_type") != "chatglm":
         raise ValueError(f"not a ChatGLM checkpoint: model_type={config.get('model_type')!r}")
     if config.get("position_encoding_2d"):
-        from rope_ext.patches.chatglm import V1_ERROR
 
         raise ValueError(V1_ERROR)
     expected = {
@@ -201,8 +204,6 @@ def native_weights(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
 def _load_source(src, rope_ratio_meaning: str | None):
     """(config dict, weights, meaning, where the meaning came from, folder to copy files from)."""
     if isinstance(src, nn.Module):
-        from rope_ext.patches.chatglm import ChatGLMFamily, read_convention
-        from rope_ext.patches.llama import unwrap
 
         adapter = ChatGLMFamily()
         model = unwrap(src)

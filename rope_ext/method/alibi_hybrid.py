@@ -41,8 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rope_ext.attention import AttentionTransform, base_name
-from rope_ext.scaling import REGISTRY, Method, alibi_slopes, default_inv_freq
+from rope_ext.attention import AttentionTransform, base_name, causal_mask
+from rope_ext.geometry import RotaryGeometry
+
+from .base import Method, ModelFacts, default_inv_freq
+from .rope import METHODS
+
+ROPE_METHODS = {m.name: m for m in METHODS}
 
 NAME = "alibi_hybrid"
 ATTRIBUTE = "rope_ext_alibi"  # the per-layer slopes module; also peft's modules_to_save name
@@ -63,31 +68,67 @@ BACKENDS = (*MASK_BACKENDS, "flex_attention", "flash_attention_2")
 
 @dataclass(frozen=True)
 class HybridMethod(Method):
-    """alibi_hybrid as a Method: the frequencies of its `rope` method (or the original ones) and
-    parameters of both. The bias itself is installed as an attention transform (`bias_for`)."""
+    """alibi_hybrid as a Method: the frequencies of its `rope` method (or the original ones),
+    parameters of both, and the bias as an attention transform (`AlibiBias`)."""
 
     rope: Method | None = None
 
+    def bind(self, params: dict) -> HybridMethod:
+        return hybrid_method(params)
+
     def validate(self, factor, params: dict) -> dict:
-        unknown = sorted(set(params) - set(self.all_params))
-        if unknown:
-            raise ValueError(
-                f"unknown parameter(s) {unknown} for {NAME} with rope={params.get('rope', PARAMS['rope'])!r}; "
-                f"allowed: {', '.join(self.all_params)}"
-            )
+        self.check_known(params, f"{NAME} with rope={params.get('rope', PARAMS['rope'])!r}")
         own = _checked({**PARAMS, **{k: v for k, v in params.items() if k in PARAMS}})
         rope_params = {k: v for k, v in params.items() if k not in PARAMS}
         # With rope=None the factor still has to be a number > 1: it sets max_length.
         rotary = self.rope or Method(NAME, self.fn, self.summary, self.formula)
         return {**own, **rotary.validate(factor, rope_params)}
 
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+        """`params` with w resolved (None -> the original window); ValueError, changing nothing,
+        when the heads or the attention backend do not fit."""
+        w = geometry.original_window if params["w"] is None else params["w"]
+        heads = params["heads"]
+        if heads is not None and heads[-1] >= facts.num_heads:
+            raise ValueError(f"{NAME}: head index {heads[-1]} out of range; the model has {facts.num_heads} heads")
+        check_backend(facts.backend, w, params["trainable"])
+        if not facts.causal:
+            raise ValueError(f"{NAME} is defined for causal attention only")
+        return factor, {**params, "w": w}
+
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        heads = list(range(facts.num_heads)) if params["heads"] is None else params["heads"]
+        return [AlibiBias(facts.num_heads, heads, params["w"], params["slope_scale"], params["trainable"])]
+
+    def load_state(self, model: nn.Module, path, params: dict) -> None:
+        if params["trainable"]:
+            load_trained_slopes(model, path)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes m_h = 2^(-8h/H), h = 1..H, in fp32.
+
+    For H not a power of two: the slopes of the power of two just below, then every other slope
+    of the next power of two, as in the ALiBi paper."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+
+    def geometric(n: int) -> list[float]:
+        return [2 ** (-8 * h / n) for h in range(1, n + 1)]
+
+    below = 2 ** math.floor(math.log2(num_heads))
+    slopes = geometric(below)
+    if below < num_heads:
+        slopes += geometric(2 * below)[0::2][: num_heads - below]
+    return torch.tensor(slopes, dtype=torch.float32)
+
 
 def hybrid_method(params: dict) -> HybridMethod:
     """The alibi_hybrid Method for `params["rope"]` (default "ntk"); ValueError on an unknown rope."""
     rope = params.get("rope", PARAMS["rope"])
-    if rope is not None and (not isinstance(rope, str) or rope not in REGISTRY):
-        raise ValueError(f"{NAME}: unknown rope method {rope!r}; use None (plain RoPE) or one of: {', '.join(REGISTRY)}")
-    inner = REGISTRY[rope] if rope is not None else None
+    if rope is not None and (not isinstance(rope, str) or rope not in ROPE_METHODS):
+        raise ValueError(f"{NAME}: unknown rope method {rope!r}; use None (plain RoPE) or one of: {', '.join(ROPE_METHODS)}")
+    inner = ROPE_METHODS[rope] if rope is not None else None
 
     def frequencies(geom, seq_len=None, *, factor, rope, w, heads, slope_scale, trainable, **rope_params):
         if inner is None:
@@ -96,8 +137,11 @@ def hybrid_method(params: dict) -> HybridMethod:
 
     return HybridMethod(
         NAME, frequencies, SUMMARY, FORMULA, params={**PARAMS, "rope": rope, **(inner.params if inner else {})},
-        dynamic=inner.dynamic if inner else False, rope=inner,
+        dynamic=inner.dynamic if inner else False, needs_attention_interface=True, rope=inner,
     )
+
+
+METHOD = hybrid_method({})  # registered with its default rope; `bind` picks the user's
 
 
 def _checked(params: dict) -> dict:
@@ -134,29 +178,6 @@ def check_backend(backend: str, w: int, trainable: bool) -> None:
         raise ValueError(f"{NAME}: trainable slopes need the eager or sdpa backend (gradients through the bias), not {backend}")
 
 
-def bias_for(adapter, site, geometry, params: dict) -> tuple[dict, "AlibiBias"]:
-    """The bias transform for a model, and `params` with w resolved (None -> the original window).
-    Raises ValueError, changing nothing, when the family, heads or attention backend do not fit."""
-    from .llama import LlamaFamily
-
-    if not isinstance(adapter, LlamaFamily):
-        raise ValueError(
-            f"{NAME} needs attention that runs through transformers' AttentionInterface "
-            f"(transformers-native families); the {adapter.name!r} family does not"
-        )
-    config = site.config
-    num_heads = config.num_attention_heads
-    w = geometry.original_window if params["w"] is None else params["w"]
-    heads = params["heads"]
-    if heads is not None and heads[-1] >= num_heads:
-        raise ValueError(f"{NAME}: head index {heads[-1]} out of range; the model has {num_heads} heads")
-    check_backend(base_name(config._attn_implementation or "eager"), w, params["trainable"])
-    if not all(getattr(module, "is_causal", True) for module in site.attention):
-        raise ValueError(f"{NAME} is defined for causal attention only")
-    bias = AlibiBias(num_heads, list(range(num_heads)) if heads is None else heads, w, params["slope_scale"], params["trainable"])
-    return {**params, "w": w}, bias
-
-
 class AlibiSlopes(nn.Module):
     """One attention layer's slopes: forward() -> [num_heads] fp32, slope_scale * m_h on the chosen
     heads and 0 on the others. Trainable slopes are an nn.Parameter over the chosen heads."""
@@ -191,18 +212,13 @@ class AlibiBias(AttentionTransform):
     def __init__(self, num_heads: int, heads: list[int], w: int, slope_scale: float, trainable: bool):
         self.num_heads, self.heads, self.w = num_heads, heads, w
         self.slope_scale, self.trainable = slope_scale, trainable
-        self._hooks: list = []
 
     def attach(self, site) -> None:
         for module in site.attention:
             device = next(module.parameters()).device
             setattr(module, ATTRIBUTE, AlibiSlopes(self.num_heads, self.heads, self.slope_scale, self.trainable, device))
-        self._hooks = [site.decoder.register_forward_pre_hook(_refuse_static_cache, with_kwargs=True)]
 
     def detach(self, site) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         for module in site.attention:
             if hasattr(module, ATTRIBUTE):
                 delattr(module, ATTRIBUTE)
@@ -276,14 +292,11 @@ class AlibiBias(AttentionTransform):
     def _causal(mask, offset: int, rows: int, query):
         """The model's mask for the first `rows` query rows, or a causal one; None (the backend's
         own causal path, as without the patch) for a square block."""
-        end = offset + rows
         if mask is not None:
-            return mask[:, :, :rows, :end]
+            return mask[:, :, :rows, : offset + rows]
         if offset == 0:
             return None
-        q_index = torch.arange(offset, end, device=query.device)
-        future = torch.arange(end, device=query.device)[None, :] > q_index[:, None]
-        return torch.zeros(future.shape, dtype=query.dtype, device=query.device).masked_fill_(future, torch.finfo(query.dtype).min)[None, None]
+        return causal_mask(offset, rows, offset + rows, query.dtype, query.device)
 
     # flex_attention -------------------------------------------------------------------------
 
@@ -354,15 +367,6 @@ def grouped_sdpa(module, query, key, value, mask, dropout=0.0, scaling=None, **k
         is_causal=mask is None and query.shape[-2] > 1, enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
-
-
-def _refuse_static_cache(module, args, kwargs):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if getattr(cache, "is_compileable", False):
-        raise ValueError(
-            f"{NAME}: pre-allocated (static) KV caches are not supported, because the bias needs each "
-            "key's distance from the query; use the default DynamicCache"
-        )
 
 
 def load_trained_slopes(model: nn.Module, path) -> None:

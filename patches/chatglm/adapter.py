@@ -1,7 +1,7 @@
 """Remote-code ChatGLM2, ChatGLM3 and GLM-4 (model_type "chatglm", loaded by the user with
 trust_remote_code=True).
 
-What these checkpoints share (NOTES §3): one `transformer.rotary_pos_emb` module whose
+What these checkpoints share (docs/references.md, "ChatGLM rotary conventions"): one `transformer.rotary_pos_emb` module whose
 `forward(max_seq_len, offset=0)` returns a [max_seq_len, D/2, 2] table of (cos, sin) that the model
 indexes with position_ids; only the first D = kv_channels/2 channels of each head rotate, as
 interleaved pairs. What differs between generations lives in their code, so it is read from the live
@@ -34,13 +34,15 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from rope_ext import record as patch_record
 from rope_ext.attention import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotary import ExtendedRotaryEmbedding, RotationFrame, cos_sin
-from rope_ext.scaling import Method
+from rope_ext.method.base import Method, ModelFacts
+from rope_ext.rotary import ExtendedRotaryEmbedding
+from rope_ext.rotation import RotationFrame, cos_sin
 
-from .glm import position_geometry, prescaled_frequencies
-from .llama import unwrap
+from ..base import FamilyAdapter, unwrap
+from ..glm import position_geometry, prescaled_frequencies
 
 BASE = 10000  # every ChatGLM rotary module starts from this base
 PROBE_LENGTH = 4100  # past 256 and 2048, where bf16 and fp16 positions stop being exact
@@ -337,13 +339,11 @@ class RotatingCoreAttention:
         return out.reshape(batch, out.shape[1], -1)
 
 
-class ChatGLMFamily:
+class ChatGLMFamily(FamilyAdapter):
     name = "chatglm"
     model_types = ("chatglm",)
-
-    def matches(self, model: nn.Module) -> bool:
-        config = getattr(unwrap(model), "config", None)
-        return getattr(config, "model_type", None) in self.model_types
+    lora_targets = ("query_key_value", "dense")  # fused q/k/v and the output projection
+    attention_interface = False  # the hub code calls its own core attention
 
     def site(self, model: nn.Module) -> ChatGLMSite:
         hf_model = unwrap(model)
@@ -371,8 +371,8 @@ class ChatGLMFamily:
             config = site.config
             record = read_convention(site.rotary, config, config.kv_channels)
             record["seq_length"] = config.seq_length
-            saved = getattr(config, "rope_ext", None)  # reloaded from a patched checkpoint
-            record["original_window"] = saved["original"]["original_window"] if saved else config.seq_length
+            saved = patch_record.read(config)  # reloaded from a patched checkpoint
+            record["original_window"] = saved.original_window if saved else config.seq_length
         if original_window is not None:
             record["original_window"] = original_window
         return record, current is None
@@ -388,6 +388,13 @@ class ChatGLMFamily:
             head_dim=head_dim,
         )
 
+    def facts(self, site: ChatGLMSite) -> ModelFacts:
+        config = site.config
+        return ModelFacts(
+            family=self.name, backend=getattr(config, "_attn_implementation", None) or "eager",
+            num_heads=config.num_attention_heads, causal=True, attention_interface=self.attention_interface,
+        )
+
     def build(self, site: ChatGLMSite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         current = self.installed(site)
         original_module = current.original_module if current is not None else site.rotary
@@ -397,8 +404,9 @@ class ChatGLMFamily:
             seq_first = self._sequence_first(site)
         return ChatGLMRotaryEmbedding(spec, factor, params, geometry, record, original_module, seq_first)
 
-    def install(self, site: ChatGLMSite, rotary: ChatGLMRotaryEmbedding, max_length: int) -> None:
-        """Swap the module in and hook the transformer; no transformers-native equivalent exists."""
+    def install(self, site: ChatGLMSite, rotary: ChatGLMRotaryEmbedding, transforms: list, max_length: int) -> None:
+        """Swap the module in and hook the transformer; no transformers-native equivalent exists.
+        `transforms` is empty: methods that add attention transforms need the AttentionInterface."""
         if self.installed(site) is not None:
             self._detach(site)
         site.transformer.rotary_pos_emb = rotary

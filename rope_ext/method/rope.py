@@ -1,0 +1,238 @@
+"""The RoPE scaling methods: new frequencies for the rotation, nothing else.
+
+Each is one pure function `fn(geometry, seq_len, **params) -> (inv_freq, attention_factor)`:
+`inv_freq` is an fp32 tensor of D/2 inverse frequencies for the rotated pairs, `attention_factor`
+multiplies cos and sin (so attention logits scale by its square). `seq_len` is the length the
+model is looking at right now; only the dynamic methods read it. Formulas and their papers:
+docs/references.md, "Scaling formulas".
+
+Where transformers has the same method, the arithmetic follows the same order in the same dtype,
+so a patched model matches a natively configured one bit-for-bit, and `native` gives the
+`rope_parameters` under which transformers reloads the patch by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from rope_ext.geometry import RotaryGeometry
+
+from .base import Method, default_inv_freq
+
+def ntk_base(geom: RotaryGeometry, scale: float) -> float:
+    """NTK-aware base b * s^(D/(D-2)): the lowest frequency is interpolated by s, the highest kept."""
+    d = geom.rotary_dim
+    return geom.base * scale ** (d / (d - 2))
+
+
+def linear(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float) -> tuple[torch.Tensor, float]:
+    """Position interpolation: every frequency divided by the factor."""
+    inv_freq = default_inv_freq(geom)
+    inv_freq /= factor
+    return inv_freq, 1.0
+
+
+def ntk(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float) -> tuple[torch.Tensor, float]:
+    """Fixed NTK-aware scaling: a larger base, frequencies otherwise unchanged."""
+    return default_inv_freq(geom, ntk_base(geom, factor)), 1.0
+
+
+def dynamic(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float) -> tuple[torch.Tensor, float]:
+    """Dynamic NTK: the original frequencies up to the window, then an NTK base grown with length.
+
+    b' = b * (s*L'/L - (s-1))^(D/(D-2)). The base is computed in fp32 tensor arithmetic because
+    that is what transformers does at run time (it passes seq_len as a tensor)."""
+    window = geom.original_window
+    if seq_len is None or seq_len <= window:
+        return default_inv_freq(geom), 1.0
+    d = geom.rotary_dim
+    length = torch.tensor(seq_len, dtype=torch.int64)
+    base = geom.base * ((factor * length / window) - (factor - 1)) ** (d / (d - 2))
+    return default_inv_freq(geom, base), 1.0
+
+
+def yarn_mscale(scale: float) -> float:
+    """YaRN's attention temperature 0.1 ln(s) + 1, applied to cos and sin (1 for s <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+
+
+def _correction_dim(geom: RotaryGeometry, rotations: float) -> float:
+    """The (fractional) pair index whose wavelength fits `rotations` times into the window."""
+    return (geom.rotary_dim * math.log(geom.original_window / (rotations * 2 * math.pi))) / (
+        2 * math.log(geom.base)
+    )
+
+
+def _by_parts(geom: RotaryGeometry, factor: float, beta_fast: float, beta_slow: float, truncate: bool) -> torch.Tensor:
+    """YaRN's frequency blend: pairs that rotate more than beta_fast times in the window keep
+    their frequency, pairs that rotate less than beta_slow times are interpolated by the factor,
+    with a linear ramp between."""
+    d = geom.rotary_dim
+    low = _correction_dim(geom, beta_fast)
+    high = _correction_dim(geom, beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = geom.base ** (torch.arange(0, d, 2).float() / d)
+    keep = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn(
+    geom: RotaryGeometry,
+    seq_len: int | None = None,
+    *,
+    factor: float,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attention_factor: float | None = None,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """YaRN: NTK-by-parts frequencies plus the attention temperature."""
+    inv_freq = _by_parts(geom, factor, beta_fast, beta_slow, truncate)
+    return inv_freq, yarn_mscale(factor) if attention_factor is None else attention_factor
+
+
+def ntk_by_parts(
+    geom: RotaryGeometry,
+    seq_len: int | None = None,
+    *,
+    factor: float,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """YaRN's frequency ramp without its temperature."""
+    return _by_parts(geom, factor, beta_fast, beta_slow, truncate), 1.0
+
+
+def dynamic_yarn(
+    geom: RotaryGeometry,
+    seq_len: int | None = None,
+    *,
+    factor: float,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> tuple[torch.Tensor, float]:
+    """YaRN with s = max(1, L'/L) recomputed as the length grows.
+
+    `factor` does not enter the math: as in the YaRN paper the scale follows the length. It states
+    the window the patched model is meant for (PatchInfo.max_length)."""
+    scale = 1.0 if seq_len is None else max(1.0, seq_len / geom.original_window)
+    if scale == 1.0:
+        return default_inv_freq(geom), 1.0
+    return _by_parts(geom, scale, beta_fast, beta_slow, truncate), yarn_mscale(scale)
+
+
+def llama3(
+    geom: RotaryGeometry,
+    seq_len: int | None = None,
+    *,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+) -> tuple[torch.Tensor, float]:
+    """Llama 3.1: keep short wavelengths, divide long ones by the factor, blend in between."""
+    inv_freq = default_inv_freq(geom)
+    window = geom.original_window
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = window / low_freq_factor
+    high_freq_wavelen = window / high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (window / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+NativeFn = Callable[[RotaryGeometry, float, dict, dict], "dict | None"]
+
+
+@dataclass(frozen=True)
+class RopeMethod(Method):
+    """A frequency scaling, with the transformers `rope_parameters` that express it (if any)."""
+
+    native_fn: NativeFn | None = None
+    # (geometry, factor, ratio, rope) -> rope_parameters on a checkpoint with a linear scaling `ratio`
+    over_linear_fn: Callable | None = None
+
+    def native(self, geometry: RotaryGeometry, factor: float, params: dict, rope: dict) -> dict | None:
+        return None if self.native_fn is None else self.native_fn(geometry, factor, params, rope)
+
+    def native_over_linear(self, geometry: RotaryGeometry, factor: float, ratio: float, rope: dict) -> dict | None:
+        return None if self.over_linear_fn is None else self.over_linear_fn(geometry, factor, ratio, rope)
+
+
+def _base(geometry: RotaryGeometry, rope: dict) -> dict:
+    return {"rope_theta": geometry.base, **{k: v for k, v in rope.items() if k == "partial_rotary_factor"}}
+
+
+def _window(geometry: RotaryGeometry) -> dict:
+    return {"original_max_position_embeddings": geometry.original_window}
+
+
+def _ramp(params: dict) -> dict:
+    return {k: params.get(k) for k in ("beta_fast", "beta_slow", "truncate")}
+
+
+def _native_yarn(geometry, factor, params, rope):
+    temperature = {} if params["attention_factor"] is None else {"attention_factor": params["attention_factor"]}
+    return {"rope_type": "yarn", "factor": factor, **_base(geometry, rope), **_window(geometry), **_ramp(params), **temperature}
+
+
+_YARN_PARAMS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+
+METHODS = [
+    RopeMethod(
+        "linear", linear, "position interpolation (PI)", "theta_i / s",
+        native_fn=lambda g, factor, params, rope: {"rope_type": "linear", "factor": factor, **_base(g, rope)},
+        over_linear_fn=lambda g, factor, ratio, rope: {"rope_type": "linear", "factor": ratio * factor, **_base(g, rope)},
+    ),
+    RopeMethod(
+        "ntk", ntk, "fixed NTK-aware base", "base * s^(D/(D-2))",
+        native_fn=lambda g, factor, params, rope: {"rope_type": "default", **_base(g, rope), "rope_theta": ntk_base(g, factor)},
+        over_linear_fn=lambda g, factor, ratio, rope: {
+            "rope_type": "linear", "factor": ratio, **_base(g, rope), "rope_theta": ntk_base(g, factor),
+        },
+    ),
+    RopeMethod(
+        "dynamic", dynamic, "dynamic NTK: NTK base grown with the current length L'",
+        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", dynamic=True,
+        # transformers' `dynamic` reads max_position_embeddings as the original window, so the
+        # config keeps it. Exact for causal=False; transformers has no per-token schedule
+        # (rope_ext.from_pretrained restores it).
+        keeps_config_window=True,
+        native_fn=lambda g, factor, params, rope: {"rope_type": "dynamic", "factor": factor, **_base(g, rope)},
+    ),
+    RopeMethod(
+        "yarn", yarn, "YaRN: NTK-by-parts + attention temperature",
+        "ramp-blend of theta_i and theta_i/s; cos, sin * (0.1 ln s + 1)",
+        params={**_YARN_PARAMS, "attention_factor": None}, native_fn=_native_yarn,
+    ),
+    RopeMethod(
+        "dynamic_yarn", dynamic_yarn, "YaRN with s = max(1, L'/L)",
+        # No native form: a plain reload is the unscaled model, so the config keeps its window.
+        "yarn with s recomputed from the current length", params=dict(_YARN_PARAMS), dynamic=True, keeps_config_window=True,
+    ),
+    RopeMethod(
+        "ntk_by_parts", ntk_by_parts, "YaRN's frequency ramp without temperature",
+        "ramp-blend of theta_i and theta_i/s", params=dict(_YARN_PARAMS),
+        native_fn=lambda g, factor, params, rope: {
+            "rope_type": "yarn", "factor": factor, **_base(g, rope), **_window(g), **_ramp(params), "attention_factor": 1.0,
+        },
+    ),
+    RopeMethod(
+        "llama3", llama3, "Llama 3.1 wavelength-banded scaling",
+        "theta_i if lambda < L/hf; theta_i/s if lambda > L/lf; smooth blend between",
+        params={"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        native_fn=lambda g, factor, params, rope: {"rope_type": "llama3", "factor": factor, **_base(g, rope), **_window(g), **params},
+    ),
+]

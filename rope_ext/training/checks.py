@@ -1,0 +1,63 @@
+"""The fine-tune's checks that need the model, the launch or the data: each raises ConfigError,
+saying what to change, before the first step."""
+
+from __future__ import annotations
+
+import math
+
+import rope_ext
+
+from .config import ConfigError
+
+
+def check_parallelism(cfg: dict, cp_size: int) -> None:
+    if cp_size > 1:
+        if rope_ext.methods()[cfg["patch"]["method"]]["dynamic"] or cfg["training"]["s2_groups"]:
+            raise ConfigError("context parallelism supports static methods with full attention only (no dynamic method, no s2_groups)")
+        if cfg["model"]["attn_implementation"] != "sdpa":
+            raise ConfigError("context parallelism needs model.attn_implementation: sdpa")
+
+
+def length_multiple(cfg: dict, cp_size: int) -> tuple[int, list[str]]:
+    """The number the training length must be a multiple of, and why."""
+    multiple, reasons = 1, []
+    if cfg["training"]["s2_groups"]:
+        g = cfg["training"]["s2_groups"]
+        multiple = math.lcm(multiple, 2 * g)
+        reasons.append(f"shifted sparse attention with {g} groups of even size needs a multiple of {2 * g}")
+    if cp_size > 1:
+        multiple = math.lcm(multiple, 2 * cp_size)
+        reasons.append(f"context parallelism over {cp_size} ranks splits the sequence into {2 * cp_size} load-balanced chunks")
+    return multiple, reasons
+
+
+def check_length(cfg: dict, seq_len: int, max_length: int, cp_size: int) -> None:
+    if seq_len > max_length:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than the patched window {max_length} "
+            f"({cfg['patch']['method']} x{cfg['patch']['factor']}); raise patch.factor or shorten the sequences"
+        )
+    multiple, reasons = length_multiple(cfg, cp_size)
+    if seq_len % multiple:
+        lower, upper = seq_len // multiple * multiple, (seq_len // multiple + 1) * multiple
+        raise ConfigError(
+            f"the training length {seq_len} is not a multiple of {multiple}: {'; '.join(reasons)}. "
+            f"Use --seq-len {lower or upper}" + (f" or {upper}" if lower and upper <= max_length else "")
+        )
+
+
+def check_sequences(sequences, seq_len: int, batch_size: int, dp_size: int) -> None:
+    per_step = batch_size * dp_size
+    if len(sequences) < per_step:
+        raise ConfigError(
+            f"the training data gives {len(sequences)} sequence(s) of {seq_len + 1} tokens; one micro-step over "
+            f"{dp_size} rank(s) x batch {batch_size} needs {per_step}: add text or shorten data.seq_len"
+        )
+
+
+def check_eval_documents(documents: list, seq_len: int, max_tokens: int) -> None:
+    if min(len(d) for d in documents) < seq_len:
+        raise ConfigError(
+            f"eval: {len(documents)} document(s) sharing eval.max_tokens={max_tokens} leaves one shorter "
+            f"than a window of {seq_len} tokens; raise eval.max_tokens or name fewer, longer documents in eval.include"
+        )

@@ -1,0 +1,229 @@
+"""The fine-tune's configuration: every key with its default, the YAML and flags that override
+them, and the checks that need no model and no data."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+import rope_ext
+from rope_ext.evals.loading import parse_params
+
+# Every key the YAML may set, with its default. Unknown keys are an error (a typo must not be
+# silently ignored).
+DEFAULTS: dict = {
+    "model": {
+        "path": "smollm2",  # smollm2 | tiny | local folder | hub id
+        "attn_implementation": "sdpa",
+    },
+    "patch": {"method": "yarn", "factor": 4.0, "params": {}},
+    "lora": {
+        "r": 8,
+        "alpha": 16,
+        "dropout": 0.0,
+        "target_modules": "auto",  # auto = the attention projections of the model family
+        "train_embeddings": False,  # LongLoRA: embeddings and norms trainable next to the LoRA weights
+        "train_norms": False,
+    },
+    # Text sources as rope_ext.evals.data reads them: gutenberg (one document per play, named by
+    # file stem), a local text/JSONL file or folder, or a `datasets` id.
+    "data": {
+        "source": "gutenberg",
+        "exclude": [],  # document names kept out of training
+        "split": "train",
+        "text_field": "text",
+        "seq_len": None,  # default: the patched window, original_window * factor
+    },
+    "training": {
+        "seed": 0,
+        "max_steps": 1000,
+        "batch_size": 1,  # sequences per device per micro-step
+        "grad_accum": 8,
+        "lr": 2.0e-4,
+        "warmup_steps": 20,
+        "weight_decay": 0.0,
+        "grad_clip": 1.0,
+        "gradient_checkpointing": True,
+        "precision": "auto",  # auto: bf16 (fp16 where unsupported) on GPU, fp32 on CPU; overrides the accelerate config
+        "s2_groups": 0,  # LongLoRA shifted sparse attention with this many groups (0: full attention)
+    },
+    "eval": {
+        "every": 0,  # perplexity at the target length every N steps (and before/after training); 0: off
+        "source": "gutenberg",
+        "include": [],  # document names to evaluate on (empty: every document)
+        "split": "validation",
+        "text_field": "text",
+        "max_tokens": 65536,  # in all: each document is cut to its first max_tokens / documents tokens
+    },
+    "output": {
+        "dir": "runs/finetune",
+        "save_every": 100,
+        "keep": 2,  # checkpoints kept on disk
+        "merge": False,
+    },
+}
+
+# Sections whose values change what is trained: a resumed run must match them exactly.
+IDENTITY_SECTIONS = ("model", "patch", "lora", "data", "training")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+# (flag, config key, type, help). argparse and the override both come from this table.
+FLAGS = [
+    ("--model", "model.path", str, "smollm2 | tiny | local folder | hub id"),
+    ("--attn-implementation", "model.attn_implementation", str, "transformers attention backend"),
+    ("--method", "patch.method", str, "rope-ext method (rope_ext.methods())"),
+    ("--factor", "patch.factor", float, "scale over the model's original window"),
+    ("--lora-r", "lora.r", int, "LoRA rank"),
+    ("--lora-alpha", "lora.alpha", float, "LoRA alpha"),
+    ("--lora-dropout", "lora.dropout", float, "LoRA dropout"),
+    ("--target-modules", "lora.target_modules", _csv, "comma-separated module names, or auto"),
+    ("--train-embeddings", "lora.train_embeddings", bool, "also train the input embeddings (LongLoRA)"),
+    ("--train-norms", "lora.train_norms", bool, "also train the normalisation layers (LongLoRA)"),
+    ("--dataset", "data.source", str, "gutenberg | text/JSONL file or folder | datasets id (clears data.exclude)"),
+    ("--dataset-split", "data.split", str, "datasets split"),
+    ("--text-field", "data.text_field", str, "datasets text column"),
+    ("--seq-len", "data.seq_len", int, "training sequence length (default: the patched window)"),
+    ("--max-steps", "training.max_steps", int, "optimizer steps"),
+    ("--batch-size", "training.batch_size", int, "sequences per device per micro-step"),
+    ("--grad-accum", "training.grad_accum", int, "micro-steps per optimizer step"),
+    ("--lr", "training.lr", float, "peak learning rate"),
+    ("--warmup-steps", "training.warmup_steps", int, "linear warmup steps before the cosine decay"),
+    ("--weight-decay", "training.weight_decay", float, "AdamW weight decay"),
+    ("--grad-clip", "training.grad_clip", float, "gradient norm clip (0: off)"),
+    ("--gradient-checkpointing", "training.gradient_checkpointing", bool, "recompute activations in backward"),
+    ("--precision", "training.precision", str, "auto | no | bf16 | fp16"),
+    ("--s2-groups", "training.s2_groups", int, "LongLoRA shifted sparse attention groups (0: off)"),
+    ("--seed", "training.seed", int, "seed for LoRA init, data order and dropout"),
+    ("--eval-every", "eval.every", int, "perplexity eval at the target length every N steps (0: off)"),
+    ("--eval-tokens", "eval.max_tokens", int, "held-out tokens scored per eval"),
+    ("--out", "output.dir", str, "output folder"),
+    ("--save-every", "output.save_every", int, "checkpoint every N steps (0: no checkpoints)"),
+    ("--keep-checkpoints", "output.keep", int, "checkpoints kept on disk"),
+    ("--merge", "output.merge", bool, "also write merged full weights to OUT/merged"),
+]
+
+
+class ConfigError(ValueError):
+    """A bad setting, found before any training starts."""
+
+
+def _merge(base: dict, update: dict, where: str = "") -> dict:
+    out = copy.deepcopy(base)
+    for key, value in (update or {}).items():
+        if key not in base:
+            raise ConfigError(f"unknown config key {where}{key!r}; valid keys here: {', '.join(base)}")
+        if isinstance(base[key], dict) and key != "params":
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {where}{key} must be a mapping, got {value!r}")
+            out[key] = _merge(base[key], value, f"{where}{key}.")
+        else:
+            out[key] = value
+    return out
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> tuple[dict, str | None]:
+    """(config, resume) from the YAML and the flags; flags win."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", help="YAML config (recipes/configs/finetune_*.yaml)")
+    parser.add_argument(
+        "--resume", nargs="?", const="latest", default=None,
+        help="continue from the newest checkpoint in --out (or from the checkpoint folder given)",
+    )
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="method parameter, repeatable")
+    for flag, key, kind, help_text in FLAGS:
+        if kind is bool:
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
+    args = parser.parse_args(argv)
+
+    cfg = copy.deepcopy(DEFAULTS)
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"config {path} does not exist")
+        cfg = _merge(cfg, yaml.safe_load(path.read_text()) or {})
+    for _, key, _, _ in FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            section, name = key.split(".")
+            cfg[section][name] = value
+    if args.__dict__["data.source"] is not None:
+        cfg["data"]["exclude"] = []  # the YAML's names belong to the YAML's source
+    try:
+        cfg["patch"]["params"].update(parse_params(args.param))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    check_config(cfg)
+    return cfg, args.resume
+
+
+def _positive_int(cfg: dict, key: str, minimum: int = 1) -> None:
+    section, name = key.split(".")
+    value = cfg[section][name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+
+
+def _number(cfg: dict, key: str, minimum: float = 0.0) -> None:
+    """A float >= minimum; YAML reads `2e-4` (no dot) as a string, so numeric strings are accepted."""
+    section, name = key.split(".")
+    value = cfg[section][name]
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number) or number < minimum:
+        raise ConfigError(f"{key} must be a number >= {minimum}, got {value!r}")
+    cfg[section][name] = number
+
+
+def check_config(cfg: dict) -> None:
+    """Checks that need no model and no data."""
+    known = rope_ext.methods()
+    method = cfg["patch"]["method"]
+    if method not in known:
+        raise ConfigError(f"unknown method {method!r}; valid methods: {', '.join(known)}")
+    for key in ("training.max_steps", "training.batch_size", "training.grad_accum", "lora.r", "eval.max_tokens"):
+        _positive_int(cfg, key)
+    for key in ("training.warmup_steps", "training.s2_groups", "eval.every", "output.save_every", "output.keep"):
+        _positive_int(cfg, key, minimum=0)
+    for key in ("training.lr", "training.weight_decay", "training.grad_clip", "lora.alpha", "lora.dropout"):
+        _number(cfg, key)
+    if cfg["data"]["seq_len"] is not None:
+        _positive_int(cfg, "data.seq_len", minimum=2)
+    if cfg["training"]["warmup_steps"] >= cfg["training"]["max_steps"]:
+        raise ConfigError("training.warmup_steps must be smaller than training.max_steps")
+    if cfg["training"]["precision"] not in ("auto", "no", "bf16", "fp16"):
+        raise ConfigError(f"training.precision must be auto, no, bf16 or fp16, got {cfg['training']['precision']!r}")
+    if not 0 <= cfg["lora"]["dropout"] < 1:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
+    if cfg["training"]["s2_groups"] and known[method]["dynamic"]:
+        raise ConfigError(f"shifted sparse attention (training.s2_groups) cannot be combined with the dynamic method {method!r}")
+
+
+def config_digest(cfg: dict) -> str:
+    identity = {k: cfg[k] for k in IDENTITY_SECTIONS}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _diff(a, b, where: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{where}{k}.")]
+    return [] if a == b else [f"{where.rstrip('.')}: {b!r} in the run folder, {a!r} now"]
+
+
+def identity_differences(cfg: dict, saved: dict) -> list[str]:
+    """What `cfg` changes, against the config a run folder was trained with, that a resumed run
+    must keep."""
+    return [d for s in IDENTITY_SECTIONS for d in _diff(cfg[s], saved.get(s), f"{s}.")]

@@ -1,0 +1,117 @@
+"""The accelerate side of a fine-tune: the Accelerator and its precision, the data- and
+context-parallel ranks, one optimizer step over the micro-batches, and the replicas' agreement."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, gather_object
+
+
+def has_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every device type
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+
+
+def choose_precision(setting: str) -> str:
+    """auto: bf16 on a GPU that has it, else fp16 on a GPU, fp32 on CPU."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
+def make_accelerator(run: dict) -> Accelerator:
+    """The Accelerator for cfg["training"]: its precision and gradient accumulation."""
+    return Accelerator(
+        mixed_precision=choose_precision(run["precision"]),
+        gradient_accumulation_steps=run["grad_accum"],
+        # On a machine without an accelerator this makes a multi-process launch (torchrun,
+        # `accelerate launch --multi_gpu`, recipes/configs/accelerate/cpu_ddp.yaml) CPU DDP over gloo.
+        cpu=not has_accelerator(),
+    )
+
+
+def context_parallel_size(accelerator) -> int:
+    pc = accelerator.parallelism_config
+    return pc.cp_size if pc is not None and pc.cp_enabled else 1
+
+
+def data_parallel_rank(accelerator) -> tuple[int, int]:
+    """(rank, size) over the ranks that get different data: ranks of one context-parallel group
+    share a batch."""
+    pc = accelerator.parallelism_config
+    if pc is not None and pc.cp_enabled:
+        if pc.data_parallel_size == 1:
+            return 0, 1
+        return accelerator.torch_device_mesh["dp"].get_local_rank(), pc.data_parallel_size
+    return accelerator.process_index, accelerator.num_processes
+
+
+def is_sharded(accelerator) -> bool:
+    """Whether every rank holds only a shard of the model (FSDP, DeepSpeed), so that every rank
+    takes part in each forward; a replicated model (DDP, one process) runs on each rank alone."""
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+
+def prepare(accelerator, model, optimizer, scheduler, batch_size: int):
+    """(model, optimizer) prepared for the launch, with the scheduler in the checkpointed state."""
+    if accelerator.state.deepspeed_plugin is not None:
+        # No dataloader goes through prepare(), so DeepSpeed is told the micro-batch size here.
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The scheduler is stepped once per optimizer step by the training loop (a prepared one would
+    # step once per process), and checkpointed with the rest of the state.
+    accelerator.register_for_checkpointing(scheduler)
+    return model, optimizer
+
+
+def train_step(accelerator, model, optimizer, scheduler, batches, run: dict, cp_size: int) -> float:
+    """One optimizer step over `batches`, the run["grad_accum"] micro-batches of [batch_size,
+    seq_len + 1] tokens of this rank; returns the step's loss averaged over the ranks."""
+    step_loss = torch.zeros((), device=accelerator.device)
+    for batch in batches:
+        batch = batch.to(accelerator.device)
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        positions = torch.arange(inputs.shape[1], device=accelerator.device)[None].expand(len(inputs), -1).clone()
+        # Context parallelism shards the sequence of every buffer in place (a no-op without it).
+        split = accelerator.maybe_context_parallel(
+            buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 1], no_restore_buffers={inputs, labels, positions}
+        ) if cp_size > 1 else contextlib.nullcontext()
+        with accelerator.accumulate(model), split:
+            logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and run["grad_clip"]:
+                accelerator.clip_grad_norm_(model.parameters(), run["grad_clip"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_loss += loss.detach() / run["grad_accum"]
+    if not optimizer.step_was_skipped:
+        scheduler.step()
+    return accelerator.reduce(step_loss, "mean").item()
+
+
+def param_digest(model) -> str:
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.requires_grad:
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def replica_digests(accelerator, model) -> list[str] | None:
+    """Under DDP, where every rank keeps a full replica, each rank's digest of the trained weights,
+    checked to agree bit for bit; None for other launches."""
+    if accelerator.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        return None
+    digests = gather_object([param_digest(accelerator.unwrap_model(model))])
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"data-parallel ranks ended with different weights: {digests}")
+    return digests

@@ -1,0 +1,48 @@
+"""The fine-tune's evaluation: held-out perplexity at the training length, with full attention."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from rope_ext.evals.perplexity import evaluate as perplexity
+
+from .distributed import is_sharded
+from .s2_attention import AttentionSwitch
+
+
+def evaluate(model, documents: list, seq_len: int) -> dict:
+    """Perplexity at the training length (rope_ext.evals.perplexity, non-overlapping windows)."""
+    was_training = model.training
+    model.eval()
+    # FSDP2 keeps the root module's parameters (embeddings, final norm, LM head) sharded outside
+    # its own forward; the eval calls the decoder and the head separately, so gather them first.
+    gathered = hasattr(model, "unshard") and hasattr(model, "reshard")
+    if gathered:
+        model.unshard()
+    try:
+        result = perplexity(model, documents, [seq_len], progress=False)[seq_len]
+    finally:
+        if gathered:
+            model.reshard()
+        model.train(was_training)
+    return {"ppl": round(result["ppl"], 4), "nll": round(result["nll"], 5), "tokens": result["tokens"]}
+
+
+class HeldOut:
+    """Evaluates the model in training on `documents` at `seq_len` tokens, as it will be used (full
+    attention), and keeps one result per step in `evals`."""
+
+    def __init__(self, accelerator, model, documents: list, seq_len: int, attention: AttentionSwitch, evals: list[dict]):
+        self.accelerator, self.model, self.documents, self.seq_len = accelerator, model, documents, seq_len
+        self.attention, self.evals = attention, evals
+
+    def __call__(self, step: int) -> None:
+        accelerator = self.accelerator
+        if accelerator.is_main_process or is_sharded(accelerator):
+            self.attention.full()
+            result = {"step": step, **evaluate(accelerator.unwrap_model(self.model), self.documents, self.seq_len)}
+            self.attention.sparse()
+            self.evals[:] = [e for e in self.evals if e["step"] != step] + [result]
+            if accelerator.is_main_process:
+                tqdm.write(f"step {step}: held-out PPL at {self.seq_len} tokens = {result['ppl']:.3f}")
+        accelerator.wait_for_everyone()

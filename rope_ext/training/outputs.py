@@ -1,0 +1,53 @@
+"""What a fine-tune leaves in its output folder: the adapter, the tokenizer, the fine-tune record,
+train_log.json, results.md and, if asked, the merged weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from rope_ext.saving import load_finetuned, save_record
+
+
+def save_adapter(accelerator, model, out: Path):
+    """Write the adapter (every rank takes part in gathering a sharded state); returns the
+    unwrapped peft model."""
+    state = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(str(out), state_dict=state, is_main_process=accelerator.is_main_process)
+    return unwrapped
+
+
+def write_outputs(out: Path, log: dict, model, tokenizer, merge: bool) -> None:
+    """Everything but the adapter, from the main process: `model` is the unwrapped peft model."""
+    tokenizer.save_pretrained(out)
+    save_record(out, log["base_model"], model, {"seq_len": log["seq_len"]})
+    (out / "train_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
+    write_results(out, log)
+    if merge:
+        merged = load_finetuned(out, merge=True, dtype=torch.float32)
+        merged.save_pretrained(out / "merged")
+        tokenizer.save_pretrained(out / "merged")
+
+
+def write_results(out: Path, log: dict) -> None:
+    rows = [
+        f"| {e['step']} | {e['ppl']:.3f} | {e['nll']:.4f} | {e['tokens']} |" for e in log["evals"]
+    ]
+    patch = log["config"]["patch"]
+    text = "\n".join([
+        f"# Fine-tune: {patch['method']} x{patch['factor']} at {log['seq_len']} tokens",
+        "",
+        f"Base model `{log['base_model']}` (window {log['patch']['original_window']}), LoRA r={log['config']['lora']['r']}, "
+        f"{log['steps']} steps, {log['tokens_trained']:,} tokens, {log['seconds']} s ({log['tokens_per_s']:,} tokens/s).",
+        "",
+        f"Held-out perplexity at {log['seq_len']} tokens (step 0 = the training-free patch):",
+        "",
+        "| step | PPL | NLL | tokens |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+    ])
+    (out / "results.md").write_text(text)

@@ -1,0 +1,66 @@
+"""Every results file says where its numbers come from: versions, device, dtype, threads, date and
+the checkpoint, whose config hash does not depend on what was patched in memory."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import torch
+import transformers
+from transformers import LlamaForCausalLM
+
+import rope_ext
+from rope_ext.evals import compare, output, passkey, perplexity
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    from rope_ext.defaults import gutenberg_documents
+
+    path = tmp_path / "macbeth.txt"
+    path.write_text(gutenberg_documents()["macbeth_gut"][20000:23000])
+    return path
+
+
+def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
+    runs = {}
+    for method in (["--method", "plain"], ["--method", "yarn", "--factor", "2"]):  # two loads, one patched
+        out = tmp_path / method[1]
+        assert perplexity.main(["--model", str(tiny_path), "--lengths", "64", "--data", str(text_file),
+                                "--output", str(out), "--no-progress", *method]) == 0
+        runs[method[1]] = json.loads((out / "ppl.json").read_text())
+        assert output.provenance_line(runs[method[1]]["provenance"]) in (out / "ppl.md").read_text()
+
+    record = runs["plain"]["provenance"]
+    assert record["rope_ext"] == rope_ext.__version__
+    assert record["transformers"] == transformers.__version__
+    assert record["torch"] == torch.__version__
+    assert (record["device"], record["dtype"]) == ("cpu", "float32")
+    assert record["threads"] == torch.get_num_threads()
+    assert record["model"] == str(tiny_path)
+    assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(record["date"])) < timedelta(minutes=10)
+    assert len(record["config_sha256"]) == 12
+    assert runs["yarn"]["provenance"]["config_sha256"] == record["config_sha256"]
+    assert {"setup", "lengths"} <= set(runs["plain"])  # the existing keys stay
+
+
+def test_config_hash_names_the_checkpoint_not_the_patch(tiny_path, tmp_path):
+    model = LlamaForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    before = output.provenance(model, str(tiny_path))["config_sha256"]
+    rope_ext.patch(model, "yarn", factor=4)
+    assert output.provenance(model, str(tiny_path))["config_sha256"] == before
+    model.save_pretrained(tmp_path / "patched")  # a patched checkpoint is another checkpoint
+    assert output.config_hash(str(tmp_path / "patched")) != before
+
+
+def test_passkey_and_compare_results_record_their_provenance(tiny_path, text_file, tmp_path):
+    assert passkey.main(["--model", str(tiny_path), "--lengths", "118", "--depths", "0.5", "--trials", "1",
+                         "--output", str(tmp_path / "pk"), "--no-progress"]) == 0
+    assert compare.main(["--model", str(tiny_path), "--methods", "plain", "--lengths", "64", "--data", str(text_file),
+                         "--no-passkey", "--output", str(tmp_path / "cmp"), "--no-progress"]) == 0
+    for folder, name in (("pk", "passkey"), ("cmp", "compare")):
+        record = json.loads((tmp_path / folder / f"{name}.json").read_text())["provenance"]
+        assert record["model"] == str(tiny_path) and record["threads"] == torch.get_num_threads()
+        assert output.provenance_line(record) in (tmp_path / folder / f"{name}.md").read_text()
