@@ -80,6 +80,9 @@ class LlamaFamily(FamilyAdapter):
             record["original_window"] = original_window
         elif "original_window" in record:
             pass
+        elif stated_window := (getattr(config, "dual_chunk_attention_config", None) or {}).get("original_max_position_embeddings"):
+            # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
+            record["original_window"] = stated_window
         elif rope_type == "default":
             record["original_window"] = record["max_position_embeddings"]
         elif rope_type in WINDOW_KEYED_TYPES and "original_max_position_embeddings" in rope:
@@ -121,6 +124,7 @@ class LlamaFamily(FamilyAdapter):
             num_heads=config.num_attention_heads,
             causal=all(getattr(module, "is_causal", True) for module in site.attention),
             attention_interface=self.attention_interface,
+            config=config.to_dict(),
         )
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):

@@ -213,3 +213,45 @@ class RotateInAttention(AttentionTransform):
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
         k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         return attend(module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs)
+
+
+def exact_rows(module, query, key, value, mask, attend: Callable, offset: int, rows: int, kwargs: dict):
+    """Attention of query rows [0, rows) through the backend, with the positions the tensors were
+    rotated at: what the unpatched model computes for them. Query row r is key index offset + r."""
+    end = offset + rows
+    if mask is not None:
+        mask = mask[:, :, :rows, :end]
+    elif offset:  # sdpa's causal shortcut covers only a square block
+        mask = causal_mask(offset, rows, end, query.dtype, query.device)
+    out, _ = attend(module, query[:, :, :rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
+    return out
+
+
+def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None):
+    """(output [B, H, Sq, D], logsumexp [B, H, Sq] in fp32) of softmax attention; `causal` aligns
+    the first query with the first key, `mask` is additive in the query's dtype. Key heads may be
+    grouped. A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
+    if query.device.type == "cpu":
+        # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * (query.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        scores = scores + causal_mask(0, query.shape[-2], key.shape[-2], torch.float32, query.device)
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse) & (lse > torch.finfo(torch.float32).min / 2)
+    weights = torch.exp(scores - torch.where(seen, lse, 0)[..., None]) * seen[..., None]
+    return (weights @ value.float()).to(query.dtype), torch.where(seen, lse, 0)
+
+
+def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """One softmax over the keys of several attention calls: parts are (output [B, H, Sq, D],
+    lse [B, H, Sq], seen [B, 1 or H, Sq] bool or None = every row saw a key). A part a row did not
+    see gets weight 0. Returns [B, H, Sq, D] in the outputs' dtype."""
+    lses = torch.stack([lse if seen is None else lse.masked_fill(~seen, float("-inf")) for _, lse, seen in parts])
+    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)  # all parts unseen: a row with no key at all
+    merged = sum(w[..., None] * out.float() for w, (out, _, _) in zip(weights, parts))
+    return merged.to(parts[0][0].dtype)

@@ -47,6 +47,7 @@ class ModelFacts:
     num_heads: int
     causal: bool  # every attention layer is causal
     attention_interface: bool  # attention runs through transformers' AttentionInterface
+    config: dict = field(default_factory=dict)  # the model's config, for settings a checkpoint states for a method
 
 
 @dataclass(frozen=True)

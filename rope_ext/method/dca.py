@@ -1,0 +1,173 @@
+"""dca: Dual Chunk Attention (An et al. 2024, "Training-Free Long-Context Scaling of Large
+Language Models", ChunkLlama), training-free.
+
+The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at their position
+within their chunk, j mod s; a query at position i in chunk n = i // s attends
+
+    keys of its own chunk           with query position  i mod s                (intra-chunk)
+    keys of the chunk before        with query position  min(i mod s + s, c - 1) (successive-chunk)
+    keys of every earlier chunk     with query position  c - 1                   (inter-chunk)
+
+where c = chunk_size, and the three parts share one softmax. No relative distance exceeds c - 1,
+so with c at most the trained window L the model never sees a distance it was not trained on;
+nearby tokens keep their true distance up to local_size into the next chunk.
+
+A query at a position below c sees only distances below c, and the maps above give it its true
+distances: such queries attend with their own positions, exactly as the unpatched model (bit for
+bit). The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
+mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
+token-by-token decoding give the same numbers.
+
+How it runs: each part is one attention call of the model's own head size over the keys it needs,
+and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse). No [L, L]
+tensor is built.
+
+Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
+local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
+"dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
+trained window from original_max_position_embeddings (docs/dca.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rope_ext.attention import RotateInAttention, attend_with_lse, causal_mask, exact_rows, merge_by_lse
+from rope_ext.geometry import RotaryGeometry
+from rope_ext.rotation import apply_rotary, cos_sin
+
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, trained_frequencies
+
+NAME = "dca"
+PARAMS = {"chunk_size": None, "local_size": None}
+SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax"
+FORMULA = "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c-1) (previous chunk), c-1 (earlier); s = c - local"
+BACKENDS = ("eager", "sdpa")
+CONFIG_KEY = "dual_chunk_attention_config"  # Qwen2.5-1M's config.json
+LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice
+
+
+@dataclass(frozen=True)
+class DualChunkMethod(Method):
+    """dca as a Method: the trained frequencies, chunk_size c and local_size. Dynamic in rope-ext's
+    sense (keys are cached before rotation); the chunked attention is `DualChunkAttention`."""
+
+    @property
+    def rescales(self) -> bool:
+        return False
+
+    def validate(self, factor, params: dict) -> dict:
+        self.check_known(params)
+        merged = {**self.all_params, **params}
+        for key in PARAMS:
+            value = merged[key]
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{NAME}: {key} must be an int >= 1 (or None for the default), got {value!r}")
+        if merged["causal"] is not True or merged["granularity"] != 1:
+            raise ValueError(
+                f"{NAME}: causal and granularity do not apply (every query's positions follow from its own "
+                f"position); got causal={merged['causal']!r}, granularity={merged['granularity']!r}"
+            )
+        super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
+        return merged
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+        if facts.backend not in BACKENDS:
+            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        trained = geometry.original_window
+        stated = facts.config.get(CONFIG_KEY) or {}
+        chunk = params["chunk_size"] or stated.get("chunk_size") or trained
+        local = params["local_size"] or stated.get("local_size") or max(1, chunk // LOCAL_FRACTION)
+        if chunk > trained:
+            raise ValueError(f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained")
+        if not 0 < local < chunk:
+            raise ValueError(f"{NAME}: local_size must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
+        return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
+
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        return [DualChunkAttention(rotary)]
+
+
+METHOD = DualChunkMethod(
+    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
+    # no native form: a plain reload is the unpatched model, so the config keeps its window
+    needs_attention_interface=True, keeps_config_window=True,
+)
+
+
+class DualChunkAttention(RotateInAttention):
+    """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
+    keeps). Queries below chunk_size attend through the backend with their own positions; the
+    others attend their chunk, the chunk before and the earlier chunks as three calls merged by
+    log-sum-exp. Positions must be those of one unpadded sequence (the same in every row)."""
+
+    rotates = True
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        rotary = self.rotary
+        frame = rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        if frame.k_pos.shape[-1] < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {frame.k_pos.shape[-1]}")
+        k_pos, q_pos = frame.k_pos[..., -kv_len:], frame.q_pos
+        first = int(k_pos[0, 0])
+        expected = torch.arange(first, first + kv_len, device=k_pos.device)
+        # the chunked parts attend every earlier key: a mask that hides keys from the newest query
+        # (padding, a sliding window) cannot be honoured
+        newest = None if attention_mask is None else attention_mask[:, :, -1, :kv_len]
+        hidden = newest is not None and not bool((newest if newest.dtype == torch.bool else newest == 0).all())
+        if hidden or not (bool((k_pos == expected).all()) and bool((q_pos == expected[kv_len - q_len :]).all())):
+            raise ValueError(
+                f"{NAME}: positions must be those of one unpadded sequence (padded batches and sliding windows "
+                "are not supported); run one sequence at a time"
+            )
+        chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
+        span = chunk - local  # s: the chunk length
+        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
+        positions = q_pos[:1]  # [1, Sq]
+        exact = int((positions[0] < chunk).sum())  # rows whose distances are all below chunk_size
+        outputs = []
+        offset = kv_len - q_len
+        if exact:
+            q_own = self._rotate(query[:, :, :exact], positions[:, :exact], inv_freq, scale)
+            k_own = self._rotate(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale)
+            outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
+        if exact < q_len:
+            scaling = kwargs.get("scaling")
+            keys = self._rotate(key, k_pos[:1] % span, inv_freq, scale)  # every key at its place in its chunk
+            rows = positions[0, exact:]
+            chunks = torch.div(rows, span, rounding_mode="floor")
+            for n in torch.unique_consecutive(chunks).tolist():
+                sel = (chunks == n).nonzero()
+                lo, hi = exact + int(sel[0]), exact + int(sel[-1]) + 1
+                outputs.append(self._chunk_rows(query[:, :, lo:hi], keys, value, positions[:, lo:hi], first, n, span, chunk,
+                                                inv_freq, scale, scaling).transpose(1, 2))
+        return torch.cat(outputs, dim=1), None
+
+    def _chunk_rows(self, query, keys, value, positions, first, n, span, chunk, inv_freq, scale, scaling):
+        """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts."""
+        start = n * span - first  # key index where chunk n begins
+        end = int(positions[0, -1]) + 1 - first
+        within = positions % span
+        q_intra = self._rotate(query, within, inv_freq, scale)
+        rows, length = query.shape[-2], end - start
+        square = int(positions[0, 0]) - first == start  # the rows begin at the chunk's first token
+        mask = None if square else causal_mask(length - rows, rows, length, query.dtype, query.device)
+        out, lse = attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], causal=square, mask=mask, scale=scaling)
+        parts = [(out, lse, None)]
+        previous = max(0, start - span)
+        if start > previous:
+            q_succ = self._rotate(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)
+            out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
+            parts.append((out, lse, None))
+        if previous > 0:
+            q_inter = self._rotate(query, torch.full_like(positions, chunk - 1), inv_freq, scale)
+            out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
+            parts.append((out, lse, None))
+        return merge_by_lse(parts)

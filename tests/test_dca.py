@@ -1,0 +1,163 @@
+"""dca: Dual Chunk Attention (rope_ext.method.dca), against its definition written out with full
+[S, S] matrices, and on the tiny trained model."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import rope_ext
+from rope_ext.attention import AttentionChain, AttentionTransform
+
+from helpers import WINDOW, random_model
+from test_self_extend import rotate
+
+
+class NaiveDualChunk(AttentionTransform):
+    """The three position maps with full matrices, for one unpadded sequence: a query below
+    chunk_size keeps its own positions; others see keys at j mod s and sit at i mod s (same chunk),
+    min(i mod s + s, c - 1) (previous chunk) or c - 1 (earlier chunks)."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+
+    def __call__(self, module, query, key, value, attention_mask, attend, scaling=None, **kwargs):
+        frame, geometry, params = self.rotary.frame, self.rotary.geometry, self.rotary.params
+        i, j = frame.q_pos[0], frame.k_pos[0]
+        c, s, dim = params["chunk_size"], params["chunk_size"] - params["local_size"], geometry.rotary_dim
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+
+        def scores(q_positions, k_positions):
+            return rotate(query, q_positions, geometry.base, dim) @ rotate(key, k_positions, geometry.base, dim).transpose(-1, -2)
+
+        own, intra = scores(i, j), scores(i % s, j % s)
+        succ, inter = scores(torch.clamp(i % s + s, max=c - 1), j % s), scores(torch.full_like(i, c - 1), j % s)
+        step = (i // s)[:, None] - (j // s)[None, :]
+        dca = torch.where(step == 0, intra, torch.where(step == 1, succ, inter))
+        chosen = torch.where((i < c)[:, None], own, dca) * scaling
+        chosen = chosen.masked_fill(i[:, None] < j[None, :], float("-inf"))
+        return (chosen.softmax(-1) @ value).transpose(1, 2), None
+
+
+def set_chain(model, transforms):
+    chain = AttentionChain(transforms)
+    for layer in model.model.layers:
+        layer.self_attn.rope_ext_attention = chain
+
+
+def ids(n, seed=0):
+    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("params", [{}, {"chunk_size": 48, "local_size": 6}, {"local_size": 20}])
+def test_matches_the_definition(params):
+    model = random_model("qwen2")
+    rope_ext.patch(model, "dca", factor=4, **params)
+    x = ids(4 * WINDOW)
+    with torch.no_grad():
+        ours = model(x).logits
+        set_chain(model, [NaiveDualChunk(model.model.rotary_emb)])
+        naive = model(x).logits
+    assert (ours - naive).abs().max() < 1e-5
+
+
+def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, heldout_ids):
+    x = heldout_ids[None, :384]
+    with torch.no_grad():
+        plain = tiny_model(x).logits
+        rope_ext.patch(tiny_model, "dca", factor=4)
+        patched = tiny_model(x).logits
+    window = tiny_model.config.max_position_embeddings
+    assert torch.equal(patched[:, :window], plain[:, :window])
+    assert not torch.allclose(patched[:, window:], plain[:, window:])
+
+
+def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids):
+    x = heldout_ids[None, :400]
+    rope_ext.patch(tiny_model, "dca", factor=4)
+    with torch.no_grad():
+        full = tiny_model(x).logits
+        hidden, _ = rope_ext.chunked_forward(tiny_model, x, chunk_size=37)
+        chunked = tiny_model.lm_head(hidden)
+        cache, steps = DynamicCache(config=tiny_model.config), []
+        for t in range(x.shape[1]):
+            steps.append(tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits)
+    assert (chunked - full).abs().max() <= 1e-4
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4
+
+
+def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):
+    from transformers import LlamaForCausalLM
+
+    x = torch.stack([heldout_ids[s : s + 513] for s in range(0, 16 * 513, 513)])
+    window = 128
+
+    def ppl_past_window(method):
+        model = LlamaForCausalLM.from_pretrained(tiny_path).eval()
+        if method != "plain":
+            rope_ext.patch(model, method, factor=4)
+        with torch.no_grad():
+            nll = [F.cross_entropy(model(row[None, :-1]).logits[0, window:], row[window + 1 :]) for row in x]
+        return math.exp(torch.stack(nll).mean().item())
+
+    assert ppl_past_window("dca") < 0.9 * ppl_past_window("plain")
+
+
+def test_qwen_dual_chunk_attention_config_sets_chunk_local_and_window():
+    model = random_model("qwen2", max_position_embeddings=4 * WINDOW)
+    model.config.dual_chunk_attention_config = {"chunk_size": 48, "local_size": 4, "original_max_position_embeddings": WINDOW}
+    info = rope_ext.patch(model, "dca", factor=4)
+    assert (info.params["chunk_size"], info.params["local_size"], info.original_window) == (48, 4, WINDOW)
+    assert info.max_length == 4 * WINDOW
+    explicit = rope_ext.patch(model, "dca", factor=4, chunk_size=32, local_size=8)
+    assert (explicit.params["chunk_size"], explicit.params["local_size"]) == (32, 8)
+
+
+def test_save_and_reload_reproduce_the_patch(tmp_path):
+    model = random_model()
+    rope_ext.patch(model, "dca", factor=4, local_size=8)
+    x = ids(3 * WINDOW)
+    model.save_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+    assert rope_ext.describe(reloaded)["params"]["local_size"] == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"chunk_size": 2 * WINDOW}, "exceeds the trained window"),
+        ({"local_size": WINDOW}, "local_size must be between"),
+        ({"chunk_size": 1.5}, "must be an int"),
+        ({"causal": False}, "do not apply"),
+        ({}, "needs a factor"),
+    ],
+)
+def test_bad_parameters_change_nothing(kwargs, message):
+    model = random_model()
+    x = ids(2 * WINDOW)
+    with torch.no_grad():
+        before = model(x).logits
+    with pytest.raises(ValueError, match=message):
+        rope_ext.patch(model, "dca", **({} if message == "needs a factor" else {"factor": 4}), **kwargs)
+    assert rope_ext.describe(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
+def test_refuses_other_backends_and_padded_batches():
+    model = random_model()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="eager or sdpa"):
+        rope_ext.patch(model, "dca", factor=4)
+    model = random_model()
+    rope_ext.patch(model, "dca", factor=4)
+    x = ids(2 * WINDOW).expand(2, -1)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
+        model(x, attention_mask=mask)
