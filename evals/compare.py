@@ -1,6 +1,6 @@
 """Methods x lengths on one model (`rope-ext compare`): perplexity and passkey retrieval for each
-method at each length, as one table (markdown + JSON) and one plot (PPL vs length, one line per
-method, the original window marked).
+method at each length, as one table (markdown + JSON) and one figure (PPL vs length and by position,
+one line per method, the original window marked; passkey accuracy per method).
 
 By default each document is cut to each length (one window per document, as YaRN's --truncate)
 and one forward at the longest length serves every shorter one where that is exact (see
@@ -15,6 +15,7 @@ import sys
 import time
 
 import rope_ext
+from rope_ext.method.base import check_factor
 
 from . import data as data_mod
 from . import loading, output, passkey, perplexity
@@ -119,11 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_output_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace):
+    """(runs, texts, result folder): every argument and method spec checked before the model
+    loads. Without --factor the factor follows from the model's window, so the specs are checked
+    at factor 2 here and patched at the factor the run finds."""
+    if args.factor is not None:
+        check_factor(args.factor)
     runs = parse_specs(args.methods or default_methods(), args.param)
-    for _, method, _ in runs:
-        loading.check_method(method, 2.0)
+    for _, method, params in runs:
+        loading.check_method(method, None if method == loading.PLAIN else args.factor or 2.0, params)
+    perplexity.check_windows(args.lengths, args.stride, args.bucket)
+    if not args.no_passkey:
+        passkey.check_grid(args.passkey_lengths, args.passkey_depths, args.passkey_trials, args.max_new_tokens)
+    loading.check_model(args.model, args.device)
+    texts = data_mod.texts_from_args(args)
     out = output.ResultFolder(args.output, "compare", ["compare.json", "compare.md", "compare.png"], args.overwrite).claim()
+    return runs, texts, out
+
+
+def run(args: argparse.Namespace, plan) -> int:
+    runs, texts, out = plan
     model, tokenizer = loading.load_model(args.model, args.dtype, args.device, args.attn_implementation)
     loading.apply_method(model, loading.PLAIN)
     window = original_window(model)
@@ -131,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     factor = args.factor or max(2.0, float(math.ceil(lengths[-1] / window)))
     if args.stride is not None and args.stride > lengths[0]:
         raise ValueError(f"--stride {args.stride} is larger than the shortest length {lengths[0]}")
-    documents = data_mod.documents_from_args(args, tokenizer)
+    documents = data_mod.documents_from_args(args, texts, tokenizer)
     bos, bos_id = perplexity.bos_token(tokenizer, args.bos)
     passkey_lengths = sorted(set(args.passkey_lengths or lengths))
     if not args.no_passkey:
@@ -170,11 +186,9 @@ def run(args: argparse.Namespace) -> int:
     text = markdown(report) + "\n" + output.provenance_line(report["provenance"])
     out.write_text("compare.md", text)
     (out.folder / "compare.partial.json").unlink()
-    from .plots import ppl_vs_length
+    from .plots import compare_figure
 
-    curves = {m["label"] + ("" if m["factor"] is None else f" x{m['factor']:g}"): {int(n): r["ppl"] for n, r in m["ppl"].items()}
-              for m in report["methods"]}
-    out.save_figure("compare.png", ppl_vs_length(curves, window, f"{report['setup']['model']}: perplexity vs length"))
+    out.save_figure("compare.png", compare_figure(report))
     print(text)
     print(f"results in {out.folder}")
     return 0
@@ -183,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext compare", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return run(args, check(args))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ GUTENBERG = "gutenberg"  # each play one document
 # the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
 GUTENBERG_JOINED = "gutenberg-joined"
 TEXT_SUFFIXES = (".txt", ".md", ".text")
+BINARY_PROBE = 8192  # bytes of a file searched for a NUL byte
 
 
 @dataclass(frozen=True)
@@ -47,40 +48,58 @@ def add_data_arguments(parser) -> None:
 
 def _read_text(path: Path) -> str:
     raw = path.read_bytes()
+    if b"\0" in raw[:BINARY_PROBE]:  # git's test: text files hold no NUL byte
+        raise ValueError(f"--data: {path} is a binary file, not text")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:  # the Gutenberg editions and many old e-texts are latin-1
         return raw.decode("latin-1")
 
 
-def _jsonl_texts(path: Path, field: str) -> Iterator[tuple[str, str]]:
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+def _text_of(record, field: str, where: str) -> str:
+    """record[field] as text; ValueError naming `where` when the record holds none."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with a {field!r} field, got {type(record).__name__}")
+    if field not in record:
+        raise ValueError(f"{where}: no field {field!r} (fields: {', '.join(record)})")
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {field!r} must be a string, got {type(text).__name__} {text!r:.40}")
+    return text
+
+
+def _jsonl_texts(path: Path, field: str) -> list[tuple[str, str]]:
+    texts = []
+    for number, line in enumerate(_read_text(path).splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        if field not in record:
-            raise ValueError(f"{path}:{number}: no field {field!r} (fields: {', '.join(record)})")
-        yield f"{path.stem}:{number}", record[field]
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        texts.append((f"{path.stem}:{number}", _text_of(record, field, f"{path}:{number}")))
+    return texts
 
 
-def _local_texts(path: Path, field: str) -> Iterator[tuple[str, str]]:
+def _local_texts(path: Path, field: str) -> list[tuple[str, str]]:
+    """Every document of a local file or folder, read at once so that a bad file is found
+    before any model loads."""
     if path.is_file():
-        if path.suffix == ".jsonl":
-            yield from _jsonl_texts(path, field)
-        else:
-            yield path.stem, _read_text(path)
-        return
+        return _jsonl_texts(path, field) if path.suffix == ".jsonl" else [(path.stem, _read_text(path))]
     files = sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.suffix == ".jsonl"))
     if not files:
         raise ValueError(f"folder {path} holds no {', '.join(TEXT_SUFFIXES)} or .jsonl files")
+    texts = []
     for file in files:
         if file.suffix == ".jsonl":
-            yield from _jsonl_texts(file, field)
+            texts += _jsonl_texts(file, field)
         else:
-            yield str(file.relative_to(path).with_suffix("")), _read_text(file)
+            texts.append((str(file.relative_to(path).with_suffix("")), _read_text(file)))
+    return texts
 
 
 def _dataset_texts(name: str, split: str, field: str) -> Iterator[tuple[str, str]]:
+    """The records of a `datasets` dataset, loaded now (a missing one fails here), read lazily."""
     import datasets
 
     try:
@@ -92,8 +111,8 @@ def _dataset_texts(name: str, split: str, field: str) -> Iterator[tuple[str, str
         ) from None
     if field not in data.column_names:
         raise ValueError(f"dataset {name!r} has no field {field!r}; fields: {', '.join(data.column_names)}")
-    for index, record in enumerate(data):
-        yield f"{name}:{index}", record[field]
+    return ((f"{name}:{index}", _text_of(record, field, f"dataset {name!r} record {index}"))
+            for index, record in enumerate(data))
 
 
 def _looks_like_path(source: str) -> bool:
@@ -103,19 +122,26 @@ def _looks_like_path(source: str) -> bool:
 
 
 def iter_texts(source: str = GUTENBERG, split: str = "test", field: str = "text") -> Iterator[tuple[str, str]]:
-    """(name, text) for every document of `source` (see add_data_arguments)."""
+    """(name, text) for every document of `source` (see add_data_arguments). The source is
+    opened and checked by this call, before the first document is asked for."""
     from rope_ext.defaults import gutenberg_documents, gutenberg_text
 
     if source == GUTENBERG:
-        yield from gutenberg_documents().items()
-    elif source == GUTENBERG_JOINED:
-        yield GUTENBERG_JOINED, gutenberg_text(6)
-    elif Path(source).expanduser().exists():
-        yield from _local_texts(Path(source).expanduser(), field)
-    elif _looks_like_path(source):
+        return iter(gutenberg_documents().items())
+    if source == GUTENBERG_JOINED:
+        return iter([(GUTENBERG_JOINED, gutenberg_text(6))])
+    if Path(source).expanduser().exists():
+        return iter(_local_texts(Path(source).expanduser(), field))
+    if _looks_like_path(source):
         raise FileNotFoundError(f"--data {source}: no such file or folder")
-    else:
-        yield from _dataset_texts(source, split, field)
+    return _dataset_texts(source, split, field)
+
+
+def check_selection(min_tokens, limit, seed) -> None:
+    """--min-tokens, --limit and --seed: ValueError naming what each accepts."""
+    for flag, value, minimum in (("--min-tokens", min_tokens, 0), ("--limit", limit, 1), ("--seed", seed, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+            raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
 
 
 def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | None = None,
@@ -123,10 +149,7 @@ def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | No
     """Token streams (no special tokens) of the texts with at least `min_tokens` tokens; at most
     `limit` of them, the first ones or, with `seed`, a seeded random choice. Raises ValueError
     when nothing is left."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {limit}")
-    if min_tokens < 0:
-        raise ValueError(f"--min-tokens must be >= 0, got {min_tokens}")
+    check_selection(min_tokens, limit, seed)
     pairs = texts
     if seed is not None:  # a random choice needs the whole list; the first N can stream
         pairs = list(texts)
@@ -153,8 +176,13 @@ def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | No
     return documents
 
 
-def documents_from_args(args, tokenizer) -> list[Document]:
-    return tokenize_documents(
-        tokenizer, iter_texts(args.data, args.data_split, args.data_field),
-        min_tokens=args.min_tokens, limit=args.limit, seed=args.seed, progress=not getattr(args, "no_progress", False),
-    )
+def texts_from_args(args) -> Iterator[tuple[str, str]]:
+    """The data arguments checked and the source opened: call it before loading a model."""
+    check_selection(args.min_tokens, args.limit, args.seed)
+    return iter_texts(args.data, args.data_split, args.data_field)
+
+
+def documents_from_args(args, texts, tokenizer) -> list[Document]:
+    """The documents of `texts` (texts_from_args) as the data arguments select them."""
+    return tokenize_documents(tokenizer, texts, min_tokens=args.min_tokens, limit=args.limit, seed=args.seed,
+                              progress=not getattr(args, "no_progress", False))

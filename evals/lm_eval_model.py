@@ -12,12 +12,15 @@ without an error. `pretrained=smollm2` (or no pretrained) is the embedded SmolLM
 `@register_model` only fills lm-eval's in-process registry, so the stock `lm_eval` command never
 sees this type (importing this module registers it; run it through `rope-ext lm-eval`, not
 `python -m`, which would register it twice): `main` adds the folder of the tasks shipped here
-(evals/tasks) to the task search path, and runs lm-eval's own command line.
+(evals/tasks) to the task search path, and runs lm-eval's own command line. From Python, the same
+folder goes to `TaskManager(include_path=TASKS_DIR)`. A built model hands its tokenizer and
+max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -27,16 +30,52 @@ from lm_eval.models.huggingface import HFLM
 import rope_ext
 from rope_ext.defaults import resolve_checkpoint
 
-from . import loading
+from . import lm_eval_tasks, loading
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 log = logging.getLogger(__name__)
+
+
+class ModelArgsError(ValueError):
+    """A --model_args value the rope_ext model type cannot use: `main` prints it as one line."""
 
 
 def method_parameter_names(method: str) -> set[str]:
     """The parameters `rope_ext.patch` accepts for `method`, besides factor."""
     spec = rope_ext.methods()[method]
     return set(spec["params"]) - {"factor"}
+
+
+def check_model_args(method: str | None, factor) -> float | None:
+    """The factor as a number, after the checks that need no model; ModelArgsError names the key."""
+    known = [loading.PLAIN, *rope_ext.methods()]
+    if method is not None and method not in known:
+        raise ModelArgsError(f"model_args method={method!r} is not a method; choose from {', '.join(known)}")
+    if method in (None, loading.PLAIN):
+        if factor is not None:
+            raise ModelArgsError(f"model_args factor={factor!r} needs a method=<{'|'.join(known[1:])}>")
+        return None
+    if factor is None:
+        raise ModelArgsError(f"model_args method={method} needs factor=<the scale relative to the original window, > 1>")
+    if not isinstance(factor, bool):
+        try:
+            return float(factor)
+        except (TypeError, ValueError):
+            pass
+    raise ModelArgsError(f"model_args factor={factor!r} is not a number (the scale relative to the original window, > 1)")
+
+
+def unknown_key(err: TypeError, method: str | None) -> ModelArgsError | None:
+    """The error naming a model_args key that nothing accepted, from the TypeError transformers
+    raises when an unused from_pretrained keyword reaches the model's __init__."""
+    found = re.search(r"__init__\(\) got an unexpected keyword argument '(\w+)'", str(err))
+    if found is None:
+        return None
+    ours = "method, factor, original_window, max_length"
+    if method not in (None, loading.PLAIN):
+        ours += f", and {method}'s {', '.join(sorted(method_parameter_names(method))) or 'none'}"
+    return ModelArgsError(f"model_args key {found.group(1)!r} is not an argument of the rope_ext model type ({ours}), "
+                          "of lm-eval's hf type or of transformers' from_pretrained")
 
 
 @register_model("rope_ext")
@@ -47,22 +86,26 @@ class RopeExtLM(HFLM):
                  original_window: int | None = None, max_length: int | None = None, device: str | None = None,
                  **kwargs):
         method = method or None
-        if method is not None:
-            loading.check_method(method, factor)
-        elif factor is not None:
-            raise ValueError("model_args: factor given without method")
+        factor = check_model_args(method, factor)
         names = method_parameter_names(method) if method not in (None, loading.PLAIN) else set()
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         if device is None or (str(device).startswith("cuda") and not _cuda()):
             device = "cpu"  # lm-eval's default is cuda; a CPU-only machine would fail later, not here
         path = resolve_checkpoint(pretrained)
-        super().__init__(pretrained=path, device=device, max_length=max_length, **kwargs)
+        try:
+            super().__init__(pretrained=path, device=device, max_length=max_length, **kwargs)
+        except TypeError as err:
+            named = unknown_key(err, method)
+            if named is None:
+                raise
+            raise named from None
         if method is None:  # a checkpoint saved after rope_ext.patch, loaded by transformers alone
             self.patch_info = rope_ext.reapply(self.model, path)
         else:
             self.patch_info = loading.apply_method(self.model, method, factor, params, original_window)
         if max_length is None and self.patch_info is not None:
             self._max_length = self.patch_info.max_length
+        lm_eval_tasks.evaluate_with(self.tokenizer, self.max_length)
         log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
 
 
@@ -87,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["rope-ext lm-eval", *argv]
     try:
         cli.execute(cli.parse_args())
+    except ModelArgsError as err:
+        print(f"rope-ext lm-eval: error: {err}", file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved_argv
     return 0

@@ -1,9 +1,11 @@
 """Python side of the offline lm-eval tasks in evals/tasks (referenced from their YAML as
 `!function rope_ext.evals.lm_eval_tasks.<name>`).
 
-lm-eval calls a task's `custom_dataset` with the run's model_args merged with --metadata, so the
-datasets here read `pretrained` (or `tokenizer`), `method` and `factor` from there, plus their own
-keys:
+The tasks build their documents for the model they evaluate: its tokenizer and the max_length the
+rope_ext model type runs with (the patch's). lm-eval gives a task no handle on the model, and the
+metadata a task receives holds the model_args only when `simple_evaluate` makes the TaskManager
+itself, so the rope_ext model type hands both over when it is built (`evaluate_with`); lm-eval
+builds a run's model before its tasks. Options come through --metadata (or TaskManager(metadata=)):
 
 rope_ext_passkey   passkey_lengths (default: powers of two from max_length/8 up to max_length),
                    passkey_depths (default 0.1 0.3 0.5 0.7 0.9), passkey_trials (5), passkey_seed (0)
@@ -13,16 +15,11 @@ rope_ext_longppl   longppl_path (a local text file or folder) or longppl_docs (e
 
 from __future__ import annotations
 
-import math
 import re
 
 import datasets
 
-from rope_ext import record as patch_record
-from rope_ext.defaults import resolve_checkpoint
-
 from . import data as data_mod
-from . import loading
 from . import passkey as passkey_mod
 
 # Per-length accuracy needs one declared metric per length (lm-eval metric lists are static):
@@ -31,37 +28,31 @@ LENGTH_LADDER = tuple(64 * 2**k for k in range(12))  # 64 ... 131072
 ANSWER_TOKENS = 10  # = generation_kwargs.max_gen_toks in rope_ext_passkey.yaml
 HELDOUT_PLAYS = ("macbeth_gut", "tempest_gut", "twelfth_night_gut", "julius_caesar_gut")
 
-
-def _tokenizer(metadata: dict):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(metadata.get("tokenizer") or resolve_checkpoint(metadata.get("pretrained")))
+_evaluated: dict = {}  # the tokenizer and max_length of the rope_ext model built last
 
 
-def task_max_length(metadata: dict) -> int:
-    """The max_length the rope_ext model type will run with, from the model's config and the
-    method/factor in model_args (or an explicit max_length)."""
-    if metadata.get("max_length"):
-        return int(metadata["max_length"])
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_checkpoint(metadata.get("pretrained")))
-    saved = patch_record.read(config)
-    window = saved.original_window if saved else config.max_position_embeddings
-    method, factor = metadata.get("method"), metadata.get("factor")
-    if method and method != "plain":
-        return math.ceil(window * float(factor))
-    if saved and not method:
-        return math.ceil(window * saved.factor)
-    return window
+def evaluate_with(tokenizer, max_length: int) -> None:
+    """Build the tasks' documents for this tokenizer and max_length (the rope_ext model type calls
+    it once it is built)."""
+    _evaluated.update(tokenizer=tokenizer, max_length=max_length)
 
 
-def passkey_lengths(metadata: dict, tokenizer) -> list[int]:
-    """passkey_lengths from the metadata, or the ladder's lengths from max_length/8 to max_length
-    that are long enough for the prompt."""
+def evaluated_model(task: str) -> tuple:
+    """(tokenizer, max_length) of the evaluated model; ValueError when no rope_ext model exists."""
+    if not _evaluated:
+        raise ValueError(
+            f"{task}: the task builds its documents with the evaluated model's tokenizer and max_length, and no "
+            "rope_ext model has been built in this process; evaluate it with model='rope_ext' "
+            "(after `import rope_ext.evals.lm_eval_model`)"
+        )
+    return _evaluated["tokenizer"], _evaluated["max_length"]
+
+
+def passkey_lengths(metadata: dict, tokenizer, top: int) -> list[int]:
+    """passkey_lengths from the metadata, or the ladder's lengths from max_length (`top`) / 8 to
+    max_length that are long enough for the prompt."""
     lengths = metadata.get("passkey_lengths")
     if lengths is None:
-        top = task_max_length(metadata)
         shortest = passkey_mod.minimum_length(tokenizer) + ANSWER_TOKENS
         lengths = [n for n in LENGTH_LADDER if max(top // 8, shortest) <= n <= top]
         if not lengths:
@@ -79,29 +70,39 @@ def passkey_lengths(metadata: dict, tokenizer) -> list[int]:
 def passkey_dataset(**metadata) -> dict:
     """{"test": Dataset} of passkey prompts: each prompt plus its ANSWER_TOKENS-token answer
     budget fits in its length, so lm-eval never left-truncates a prompt of length max_length."""
-    tokenizer = _tokenizer(metadata)
+    tokenizer, max_length = evaluated_model("rope_ext_passkey")
     depths = metadata.get("passkey_depths", passkey_mod.DEFAULT_DEPTHS)
     depths = [float(d) for d in (depths if isinstance(depths, (list, tuple)) else [depths])]
     trials, seed = int(metadata.get("passkey_trials", 5)), int(metadata.get("passkey_seed", 0))
+    lengths = passkey_lengths(metadata, tokenizer, max_length)
     docs = []
-    for length, depth, trial in passkey_mod.grid(passkey_lengths(metadata, tokenizer), depths, trials):
+    for length, depth, trial in passkey_mod.grid(lengths, depths, trials):
         key = passkey_mod.trial_key(seed, length, depth, trial)
         prompt = passkey_mod.build_prompt(tokenizer, length - ANSWER_TOKENS, depth, key)
-        docs.append({"prompt": prompt.text, "key": str(key), "length": length, "depth": depth, "trial": trial})
+        docs.append({"prompt": prompt.text, "key": str(key), "length": length, "depth": depth, "trial": trial,
+                     "lengths": lengths})
     return {"test": datasets.Dataset.from_list(docs)}
 
 
 def passkey_results(doc: dict, results: list[str]) -> dict:
     """exact_match of the first integer of the answer (the regex filter's output) with the key,
-    overall and as acc_<length>."""
+    overall and as acc_<length>. Every document reports every length of the run, None for the
+    others (lm-eval 0.4.13's RULER tasks do the same with -1): metrics scored on different numbers
+    of documents make lm-eval warn on every run."""
     correct = float(results[0].strip() == doc["key"])
-    return {"exact_match": correct, f"acc_{doc['length']}": correct}
+    return {"exact_match": correct, **{f"acc_{n}": correct if n == doc["length"] else None for n in doc["lengths"]}}
+
+
+def scored_mean(items: list) -> float:
+    """The mean over the documents of one length (the acc_<length> aggregation)."""
+    scored = [x for x in items if x is not None]
+    return sum(scored) / len(scored)
 
 
 def longppl_dataset(**metadata) -> dict:
     """{"test": Dataset} of long documents, each with its token count under the run's tokenizer
     (so the task can report token-level perplexity next to lm-eval's word/byte ones)."""
-    tokenizer = _tokenizer(metadata)
+    tokenizer, _ = evaluated_model("rope_ext_longppl")
     if metadata.get("longppl_path"):
         texts = list(data_mod.iter_texts(str(metadata["longppl_path"])))
     else:

@@ -8,7 +8,9 @@ import warnings
 from pathlib import Path
 
 import rope_ext
-from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoint, where a name is expected
+from rope_ext import method as registry
+from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
+from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 
 PLAIN = "plain"  # the unpatched model
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,9 +84,8 @@ def load_model(name: str | None = None, dtype: str = "float32", device: str | No
 
         model, tokenizer = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
     else:
+        check_model(name, device)
         local = Path(name).expanduser()
-        if local.exists() and not (local / "config.json").is_file():
-            raise FileNotFoundError(f"--model {name}: {local} exists but holds no config.json (not a checkpoint directory)")
         try:
             model = rope_ext.from_pretrained(str(local) if local.exists() else name, dtype=torch_dtype,
                                              attn_implementation=attn_implementation)
@@ -111,13 +112,29 @@ def apply_method(model, method: str = PLAIN, factor: float | None = None, params
     return rope_ext.patch(model, method, factor=factor, **extra, **params)
 
 
-def check_method(method: str, factor: float | None) -> None:
-    """The cheap checks, done before a model is loaded."""
+def check_method(method: str, factor: float | None, params: dict | None = None) -> None:
+    """The checks of a method spec that need no model: the name, the factor and the parameters."""
+    params = params or {}
+    if method == PLAIN:
+        if params or factor is not None:
+            raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
+        return
     known = [PLAIN, *rope_ext.methods()]
     if method not in known:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(known)}")
-    if method != PLAIN and factor is None:
+    spec = registry.get(method, params)
+    if factor is None and spec.factor_required:
         raise ValueError(f"method {method!r} needs --factor (the scale relative to the original window, > 1)")
+    spec.validate(factor, params)
+
+
+def check_model(name: str | None, device: str | None) -> None:
+    """--model and --device, checked before anything loads."""
+    if name not in (None, DEFAULT_MODEL):
+        local = Path(name).expanduser()
+        if local.exists() and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"--model {name}: {local} exists but holds no config.json (not a checkpoint directory)")
+    resolve_device(device)
 
 
 def patched(model) -> dict | None:
@@ -177,10 +194,19 @@ def describe_setup(model, info, method: str, params: dict) -> dict:
     }
 
 
-def model_from_args(args):
-    """(model, tokenizer, PatchInfo | None, params) from the arguments add_model_arguments added."""
+def check_model_args(args) -> dict:
+    """The method parameters of the arguments add_model_arguments added, after checking every one
+    of them; call it before model_from_args."""
     params = parse_params(args.param)
-    check_method(args.method, args.factor)
+    check_method(args.method, args.factor, params)
+    if args.original_window is not None:
+        as_size(args.original_window, "--original-window")
+    check_model(args.model, args.device)
+    return params
+
+
+def model_from_args(args, params: dict):
+    """(model, tokenizer, PatchInfo | None) from the arguments check_model_args checked."""
     model, tokenizer = load_model(args.model, args.dtype, args.device, args.attn_implementation)
     info = apply_method(model, args.method, args.factor, params, args.original_window)
-    return model, tokenizer, info, params
+    return model, tokenizer, info

@@ -181,11 +181,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_output_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_grid(lengths: list[int] | None, depths: list[float], trials: int, max_new_tokens: int) -> None:
+    """--lengths, --depths, --trials and --max-new-tokens, before anything loads."""
+    if lengths is not None and any(n < 1 for n in lengths):
+        raise ValueError(f"--lengths must be >= 1 token, got {lengths}")
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths must be between 0 (start) and 1 (end), got {depths}")
+    if trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {trials}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+
+
+def check(args: argparse.Namespace):
+    """(method parameters, result folder): every argument checked before the model loads."""
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
-    model, tokenizer, info, params = loading.model_from_args(args)
+    check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
+    params = loading.check_model_args(args)
+    return params, output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
+
+
+def run(args: argparse.Namespace, plan) -> int:
+    params, out = plan
+    model, tokenizer, info = loading.model_from_args(args, params)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
@@ -201,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from .plots import passkey_heatmap
 
     label = setup["method"] + (f" x{setup['factor']:g}" if setup["factor"] else "")
-    out.save_figure("passkey.png", passkey_heatmap(result["accuracy"], f"Passkey retrieval: {label}"))
+    out.save_figure("passkey.png", passkey_heatmap(result["accuracy"], setup["model"], label))
     print(text)
     print(f"results in {out.folder}")
     return 0
@@ -210,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext eval passkey", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return run(args, check(args))
 
 
 if __name__ == "__main__":

@@ -290,14 +290,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_output_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    if any(n < 2 for n in args.lengths):
-        raise ValueError(f"--lengths must be >= 2 tokens, got {args.lengths}")
-    if args.stride is not None and args.stride > min(args.lengths):
-        raise ValueError(f"--stride {args.stride} is larger than the shortest length {min(args.lengths)}: tokens would be skipped")
-    out = output.ResultFolder(args.output, "ppl", ["ppl.json", "ppl.md", "ppl.png"], args.overwrite).claim()
-    model, tokenizer, info, params = loading.model_from_args(args)
-    documents = data_mod.documents_from_args(args, tokenizer)
+def check_windows(lengths: list[int] | None, stride: int | None, bucket: int | None) -> None:
+    """--lengths, --stride and --bucket, before anything loads (`lengths` None: they follow from
+    the model, and the stride is held against them once it is known)."""
+    if lengths is not None and any(n < 2 for n in lengths):
+        raise ValueError(f"--lengths must be >= 2 tokens, got {lengths}")
+    longest_stride = min(lengths) if lengths else None
+    if stride is not None and (stride < 1 or longest_stride is not None and stride > longest_stride):
+        raise ValueError(f"--stride must be between 1 and the shortest length {longest_stride or 'of --lengths'} "
+                         f"(a larger one skips tokens), got {stride}")
+    if bucket is not None and bucket < 1:
+        raise ValueError(f"--bucket must be >= 1 token, got {bucket}")
+
+
+def check(args: argparse.Namespace):
+    """(method parameters, texts, result folder): every argument checked before the model loads."""
+    check_windows(args.lengths, args.stride, args.bucket)
+    params = loading.check_model_args(args)
+    texts = data_mod.texts_from_args(args)
+    return params, texts, output.ResultFolder(args.output, "ppl", ["ppl.json", "ppl.md", "ppl.png"], args.overwrite).claim()
+
+
+def run(args: argparse.Namespace, plan) -> int:
+    params, texts, out = plan
+    model, tokenizer, info = loading.model_from_args(args, params)
+    documents = data_mod.documents_from_args(args, texts, tokenizer)
     bos, bos_id = bos_token(tokenizer, args.bos)
     for n in sorted(args.lengths):
         loading.warn_beyond_capacity(model, n + int(bos), f"length {n}")
@@ -329,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext eval ppl", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    return run(args, check(args))
 
 
 if __name__ == "__main__":

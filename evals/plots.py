@@ -1,70 +1,145 @@
-"""The figures the eval commands save (matplotlib, Agg backend: no display needed)."""
+"""The figures the eval commands save (matplotlib, Agg backend: no display needed).
+
+Every figure keeps its legend outside the axes, so no curve hides behind it, and names the model in
+its title. Perplexity axes are linear and clipped: one method that breaks (plain RoPE past its
+window, linear interpolation without fine-tuning) reaches hundreds and would squash every other
+curve into one band, so the axis stops at CLIP times the lowest value and the legend gives the
+peak of each curve that leaves it. Heatmaps use cividis, readable with any colour vision and in
+greyscale."""
 
 from __future__ import annotations
+
+import itertools
+import re
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+CLIP = 2.0  # top of a perplexity axis, as a multiple of the lowest value plotted
+MARKERS = "osD^vP*Xph"
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def model_name(label: str) -> str:
+    """A checkpoint label without the content hash rope-ext puts in the folders it caches
+    ("smollm2-135m-847fbcc544" -> "smollm2-135m")."""
+    return re.sub(r"-[0-9a-f]{8,}$", "", label)
+
+
+def _styles():
+    """Marker and line style per curve, so curves differ by more than their colour."""
+    return zip(itertools.cycle(MARKERS), itertools.cycle(LINESTYLES))
 
 
 def _mark_window(ax, window: int | None) -> None:
+    """A vertical line at the trained window, named in the legend."""
     if window:
-        ax.axvline(window, color="grey", linestyle="--", linewidth=1)
-        ax.text(window, 1.0, f" original window {window}", transform=ax.get_xaxis_transform(),
-                color="grey", fontsize=8, va="top")
+        ax.axvline(window, color="black", linestyle="--", linewidth=1, label=f"trained window ({window} tokens)")
+
+
+def _ppl_panels(panels: list[tuple], window: int | None) -> None:
+    """Draw (ax, {label: (x, ppl)}) panels on one linear perplexity range, clipped at CLIP x the
+    lowest value, and put the legend outside the last panel, with the peak of every curve that
+    leaves the range."""
+    values = [v for _, curves in panels for _, y in curves.values() for v in y]
+    lowest, highest = min(values), max(values)
+    top = min(CLIP * lowest, 1.05 * highest)
+    for ax, curves in panels:
+        for (label, (x, y)), (marker, style) in zip(curves.items(), _styles()):
+            ax.plot(x, y, marker=marker, linestyle=style, markersize=4, label=label)
+        _mark_window(ax, window)
+        ax.set_ylim(0.95 * lowest, top)
+        ax.set_ylabel("perplexity" + (f" (axis clipped at {CLIP:g}x the lowest)" if highest > top else ""))
+        ax.grid(alpha=0.3)
+    peaks = {label: max(max(curves[label][1]) for _, curves in panels if label in curves) for label in panels[0][1]}
+    last = panels[-1][0]
+    handles, labels = last.get_legend_handles_labels()
+    last.legend(handles, [f"{label} (peak {peaks[label]:.0f}, off the axis)" if peaks.get(label, 0) > top else label
+                          for label in labels], loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+
+
+def _position_panel(ax, curves: dict[str, list[dict]]) -> tuple:
+    ax.set_xlim(0, max(b["end"] for buckets in curves.values() for b in buckets))
+    ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
+    ax.set_xlabel("position of the scored token in its window (bucket centre)")
+    return ax, {label: ([(b["start"] + b["end"]) / 2 for b in buckets], [b["ppl"] for b in buckets])
+                for label, buckets in curves.items()}
+
+
+def _length_panel(ax, ppl: dict[str, dict[int, float]]) -> tuple:
+    ax.set_xscale("log", base=2)
+    ticks = sorted({int(n) for by_length in ppl.values() for n in by_length})
+    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("evaluation length (tokens)")
+    return ax, {label: (sorted(int(n) for n in by_length), [by_length[n] for n in sorted(by_length, key=int)])
+                for label, by_length in ppl.items()}
+
+
+def ppl_by_position(curves: dict[str, list[dict]], window: int | None, title: str):
+    """PPL against the position of the scored token, one line per curve: {label: buckets}, each
+    bucket {"start", "end", "ppl"} (the `buckets` of a perplexity result)."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    _ppl_panels([_position_panel(ax, curves)], window)
+    ax.set_title(title)
+    return fig
 
 
 def bucket_plot(results: dict, title: str, window: int | None = None):
     """PPL against position in the window, one line per evaluated length."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for length in sorted(results):
-        buckets = results[length]["buckets"]
-        ax.plot([(b["start"] + b["end"]) / 2 for b in buckets], [b["ppl"] for b in buckets], marker="o", label=f"length {length}")
-    _mark_window(ax, window)
-    ax.set_yscale("log")
-    ax.set_xlabel("position of the scored token in its window")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return fig
+    return ppl_by_position({f"length {n}": results[n]["buckets"] for n in sorted(results)}, window, title)
 
 
-def ppl_vs_length(ppl: dict[str, dict[int, float]], window: int | None = None, title: str = "Perplexity vs length"):
-    """One line per method: {method: {length: ppl}}."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method, by_length in ppl.items():
-        lengths = sorted(by_length)
-        ax.plot(lengths, [by_length[n] for n in lengths], marker="o", label=method)
-    _mark_window(ax, window)
-    ax.set_xscale("log", base=2)
-    ticks = sorted({n for by_length in ppl.values() for n in by_length})
-    ax.set_xticks(ticks, [str(n) for n in ticks])
-    ax.minorticks_off()
-    ax.set_yscale("log")
-    ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3, which="both")
-    return fig
-
-
-def passkey_heatmap(accuracy: dict[int, dict[float, float]], title: str = "Passkey retrieval"):
-    """Accuracy per (length, depth): {length: {depth: accuracy}}; depth on y, length on x."""
-    lengths = sorted(accuracy)
-    depths = sorted({d for row in accuracy.values() for d in row})
-    grid = [[accuracy[n].get(d, float("nan")) for n in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * len(depths) + 2))
-    image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+def _heatmap(fig, ax, rows: dict, columns: list, ylabel: str, xlabel: str, title: str) -> None:
+    """Accuracy in [0, 1] per (row, column): {row: {column: accuracy}}, NaN where absent."""
+    grid = [[rows[r].get(c, float("nan")) for c in columns] for r in rows]
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="cividis", aspect="auto")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
-            ax.text(j, i, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("depth of the key")
+            ax.text(j, i, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=8,
+                    color="black" if value == value and value > 0.5 else "white")
+    ax.set_xticks(range(len(columns)), [str(c) for c in columns])
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label="accuracy")
+
+
+def passkey_heatmap(accuracy: dict, model: str, method: str):
+    """Accuracy per (length, depth) of one method: {length: {depth: accuracy}} (keys may be the
+    strings a JSON file holds); depth on y, length on x."""
+    table = {int(n): {float(d): a for d, a in row.items()} for n, row in accuracy.items()}
+    lengths = sorted(table)
+    depths = sorted({d for row in table.values() for d in row})
+    fig, ax = plt.subplots(figsize=(1.1 * len(lengths) + 3.5, 0.45 * len(depths) + 2))
+    _heatmap(fig, ax, {f"{d:g}": {n: table[n].get(d, float("nan")) for n in lengths} for d in depths}, lengths,
+             "depth of the key", "prompt length (tokens)", f"{model_name(model)}, {method}: passkey retrieval")
+    return fig
+
+
+def compare_figure(report: dict):
+    """The figure of a `rope-ext compare` report (compare.json): PPL vs length and PPL by position
+    at the longest length side by side, and below them, when the report has it, passkey accuracy
+    per method and length (over depths and trials)."""
+    setup, methods = report["setup"], report["methods"]
+    labels = [m["label"] + ("" if m["factor"] is None else f" x{m['factor']:g}") for m in methods]
+    longest = str(max(int(n) for n in methods[0]["ppl"]))
+    passkey = all(m.get("passkey") for m in methods)
+    fig = plt.figure(figsize=(15, 5 + (0.3 * len(methods) + 1.5 if passkey else 0)), layout="constrained")
+    grid = fig.add_gridspec(2 if passkey else 1, 2, height_ratios=[5, 0.3 * len(methods) + 1.5] if passkey else None)
+    by_length, by_position = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    _ppl_panels([_length_panel(by_length, {label: {int(n): r["ppl"] for n, r in m["ppl"].items()} for label, m in zip(labels, methods)}),
+                 _position_panel(by_position, {label: m["ppl"][longest]["buckets"] for label, m in zip(labels, methods)})],
+                setup["original_window"])
+    by_length.set_title("perplexity vs length")
+    by_position.set_title(f"perplexity by position, {longest} tokens")
+    if passkey:
+        table = {label: {int(n): a for n, a in m["passkey"]["by_length"].items()} for label, m in zip(labels, methods)}
+        _heatmap(fig, fig.add_subplot(grid[1, :]), table, sorted({n for row in table.values() for n in row}),
+                 "method", "prompt length (tokens)", "passkey retrieval")
+    fig.suptitle(f"{model_name(setup['model'])}: rope-ext compare")
     return fig

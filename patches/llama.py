@@ -73,7 +73,6 @@ class LlamaFamily(FamilyAdapter):
             "rope_parameters": copy.deepcopy(config.rope_parameters),
             "max_position_embeddings": config.max_position_embeddings,
         }
-        record["attn_implementation"] = config._attn_implementation
         rope = record["rope_parameters"]
         rope_type = rope.get("rope_type", "default")
         if original_window is not None:
@@ -108,8 +107,10 @@ class LlamaFamily(FamilyAdapter):
             head_dim=head_dim,
         )
         if verify and rope.get("rope_type", "default") == "default":
-            live = site.rotary.original_inv_freq.float().cpu()
-            if not torch.equal(live, default_inv_freq(geometry)):
+            # Compared in the dtype the buffer has: a cast of the model (`model.half()`) is no
+            # modification, and the patch computes its own fp32 frequencies anyway.
+            live = site.rotary.original_inv_freq.cpu()
+            if not torch.equal(live, default_inv_freq(geometry).to(live.dtype)):
                 raise ValueError(
                     "the model's rotary module does not hold the frequencies its config describes "
                     f"(rope_theta={geometry.base}, rotary dim {geometry.rotary_dim}); refusing to patch a modified model"
@@ -152,8 +153,10 @@ class LlamaFamily(FamilyAdapter):
         config = site.config
         native = self.native(rotary)
         config.rope_parameters = native if native is not None else copy.deepcopy(rotary.original["rope_parameters"])
-        if not rotary.method.keeps_config_window:
-            config.max_position_embeddings = max_length
+        # Without a native form a plain reload is the unpatched model: the config must not claim
+        # more than its trained window. Set either way, so a repatch writes what a first patch does.
+        extended = native is not None and not rotary.method.keeps_config_window
+        config.max_position_embeddings = max_length if extended else rotary.original["max_position_embeddings"]
         return native
 
     def uninstall(self, site: RotarySite) -> None:
@@ -176,13 +179,55 @@ class LlamaFamily(FamilyAdapter):
             module.rope_ext_attention = chain
         chain.attach(site, method)
         config._attn_implementation = name
+        for owner in self._owners(site):
+            owner.set_attn_implementation = BackendSwitch(self, site.model, owner)
 
     def _detach(self, site: RotarySite) -> None:
-        """Undo `_attach_attention` (nothing to undo for static methods without transforms)."""
+        """Undo `_attach_attention` (nothing to undo for static methods without transforms); the
+        backend stays the one chosen last, at patch time or by `set_attn_implementation` since."""
         chain = getattr(site.attention[0], "rope_ext_attention", None)
-        if chain is not None:
-            chain.detach(site)
+        if chain is None:
+            return
+        chain.detach(site)
         for module in site.attention:
-            if hasattr(module, "rope_ext_attention"):
-                del module.rope_ext_attention
-        site.config._attn_implementation = site.rotary.original["attn_implementation"]
+            del module.rope_ext_attention
+        for owner in self._owners(site):
+            owner.__dict__.pop("set_attn_implementation", None)
+        site.config._attn_implementation = base_name(site.config._attn_implementation)
+
+    @staticmethod
+    def _owners(site: RotarySite) -> list[nn.Module]:
+        """The models that share the patched config and answer `set_attn_implementation`: the
+        causal LM and its decoder."""
+        return list(dict.fromkeys((site.model, site.decoder)))
+
+    def switch_backend(self, site: RotarySite, routed: str) -> None:
+        """After transformers set a new backend on a model whose attention ran through the wrapper
+        `routed`: route it through the wrapper of the new one, or, when the method cannot run
+        there, put `routed` back and raise ValueError."""
+        config = site.config
+        chosen = base_name(config._attn_implementation or "eager")
+        rotary = self.installed(site)
+        try:
+            rotary.method.resolve(self.facts(site), rotary.geometry, rotary.factor, rotary.params)
+            name = registered_name(chosen)
+        except ValueError as err:
+            config._attn_implementation = routed
+            raise ValueError(f"attention stays {base_name(routed)!r} under the rope_ext patch: {err}") from None
+        config._attn_implementation = name
+
+
+class BackendSwitch:
+    """Stands in for `set_attn_implementation` on a model whose attention runs through the rope-ext
+    wrapper: transformers checks and sets the requested backend as usual, then the adapter routes
+    the wrapper to it (a plain switch would leave the patch's attention behind). An object, not a
+    closure, so that `copy.deepcopy` of the model gives one that switches the copy."""
+
+    def __init__(self, adapter: LlamaFamily, model: nn.Module, owner: nn.Module):
+        self.adapter, self.model, self.owner = adapter, model, owner
+
+    def __call__(self, attn_implementation, *args, **kwargs) -> None:
+        site = self.adapter.site(self.model)
+        routed = site.config._attn_implementation
+        type(self.owner).set_attn_implementation(self.owner, attn_implementation, *args, **kwargs)
+        self.adapter.switch_backend(site, routed)

@@ -166,12 +166,19 @@ class RotateInAttention(AttentionTransform):
         self._hooks: list = []
 
     def attach(self, site) -> None:
-        """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding)."""
-        rotary = self.rotary
+        """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
+        The hooks are bound methods, not closures: `copy.deepcopy` of the model then gives hooks
+        that call the copy's rotary module."""
         self._hooks = [
-            site.decoder.register_forward_pre_hook(lambda m, a, kw: rotary.before_forward(kw.get("cache")), with_kwargs=True),
-            site.decoder.register_forward_hook(lambda m, a, kw, out: rotary.after_forward(getattr(out, "cache", None)), with_kwargs=True),
+            site.decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            site.decoder.register_forward_hook(self._after_forward, with_kwargs=True),
         ]
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        self.rotary.before_forward(kwargs.get("cache"))
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        self.rotary.after_forward(getattr(output, "cache", None))
 
     def detach(self, site) -> None:
         for handle in self._hooks:

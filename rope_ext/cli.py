@@ -1,16 +1,24 @@
-"""The `rope-ext` command. Each subcommand lives in its own module with `add_arguments(parser)`
-and `run(args) -> exit code`; this file only routes."""
+"""The `rope-ext` command. Each subcommand lives in its own module with `add_arguments(parser)`,
+`check(args) -> plan` (every argument, path and spec checked before any work starts) and
+`run(args, plan) -> exit code`; this file only routes. Only the module of the command given is
+imported, so `--help` does not load torch for the commands it does not describe.
+
+Exit codes: 0 done, 1 a failure while the command ran, 2 a usage error (argparse's, or one that
+`check` found)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import platform
 import sys
+from importlib import metadata
 
 # name -> (module, one-line help); "eval X" commands are nested under `eval`
 COMMANDS = {
     "demo": ("rope_ext.demo", "SmolLM2 past its window: plain vs patched perplexity (offline)"),
     "methods": ("rope_ext.cli", "list the scaling methods and their parameters"),
+    "env": ("rope_ext.cli", "versions, device, bf16 support and threads, for bug reports"),
     "eval ppl": ("rope_ext.evals.perplexity", "sliding-window perplexity of long documents"),
     "eval passkey": ("rope_ext.evals.passkey", "passkey retrieval over lengths x depths"),
     "compare": ("rope_ext.evals.compare", "methods x lengths on one model: perplexity and passkey"),
@@ -18,13 +26,21 @@ COMMANDS = {
 }
 # `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered.
 LM_EVAL = "lm-eval"
+USAGE, FAILURE = 2, 1
+PACKAGES = ("rope-ext", "torch", "transformers", "peft", "accelerate", "lm-eval")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`rope-ext methods` takes no arguments."""
+    """`rope-ext methods` and `rope-ext env` take no arguments."""
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Nothing to check for `methods` and `env`."""
+
+
+def run(args: argparse.Namespace, plan: None = None) -> int:
+    if args.command == "env":
+        return env()
     import rope_ext
 
     for name, spec in rope_ext.methods().items():
@@ -34,20 +50,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env() -> int:
+    """What a bug report needs: package versions, the device and its bf16 support, threads."""
+    import torch
+
+    for package in PACKAGES:
+        print(f"{package:13} {version(package)}")
+    print(f"{'python':13} {platform.python_version()} ({platform.platform()})")
+    print(f"{'threads':13} {torch.get_num_threads()} (torch intra-op)")
+    cpu = torch.backends.cpu.get_cpu_capability()
+    bf16 = torch.cpu._is_avx512_bf16_supported() if hasattr(torch.cpu, "_is_avx512_bf16_supported") else "unknown"
+    amx = torch.cpu._is_amx_tile_supported() if hasattr(torch.cpu, "_is_amx_tile_supported") else "unknown"
+    print(f"{'cpu':13} {platform.processor() or platform.machine()}, {cpu}; avx512-bf16: {bf16}, amx: {amx}")
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            print(f"{f'cuda:{index}':13} {torch.cuda.get_device_name(index)}, bf16: {torch.cuda.is_bf16_supported()}")
+    else:
+        print(f"{'cuda':13} not available")
+    return 0
+
+
+def selected(argv: list[str]) -> str | None:
+    """The command `argv` names, or None (no command yet, or an unknown one: argparse says so)."""
+    for name in COMMANDS:
+        if argv[: len(name.split())] == name.split():
+            return name
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command listed; the arguments only of `command` (its module is imported)."""
     parser = argparse.ArgumentParser(prog="rope-ext", description="Extend the context window of HuggingFace models.")
     parser.epilog = f"also: rope-ext {LM_EVAL} ... (lm-eval's command line with --model rope_ext)"
+    parser.add_argument("--version", action="version", version=f"rope-ext {version('rope-ext')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     nested = {}
     for name, (module, help_text) in COMMANDS.items():
         group, _, leaf = name.rpartition(" ")
         if group and group not in nested:
             nested[group] = sub.add_parser(group, help=f"{group} subcommands").add_subparsers(dest="subcommand", required=True)
-        command = (nested[group] if group else sub).add_parser(leaf, help=help_text, description=help_text)
-        target = importlib.import_module(module)
-        target.add_arguments(command)
-        command.set_defaults(run=target.run)
+        parser_of_command = (nested[group] if group else sub).add_parser(leaf, help=help_text, description=help_text)
+        if name == command:
+            target = importlib.import_module(module)
+            target.add_arguments(parser_of_command)
+            parser_of_command.set_defaults(target=target)
     return parser
+
+
+def quiet_libraries() -> None:
+    """--no-progress: the progress bars of transformers (weight loading) and the hub (downloads) too."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         from rope_ext.evals.lm_eval_model import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser(selected(argv)).parse_args(argv)
+    name = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
     try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
-        print(f"rope-ext {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        plan = args.target.check(args)
+    except (ValueError, OSError) as err:
+        print(f"rope-ext {name}: error: {err}", file=sys.stderr)
+        return USAGE
+    if getattr(args, "no_progress", False):
+        quiet_libraries()
+    try:
+        return args.target.run(args, plan)
+    except (ValueError, OSError) as err:
+        print(f"rope-ext {name}: failed: {err}", file=sys.stderr)
+        return FAILURE
 
 
 if __name__ == "__main__":

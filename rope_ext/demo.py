@@ -21,7 +21,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace):
+    """(method specs as (label, method, factor), result folder): every argument checked before the
+    model loads."""
+    from rope_ext.evals import loading, output
+
+    if args.length < 2 or args.bucket < 1:
+        raise ValueError(f"--length must be >= 2 and --bucket >= 1, got --length {args.length} --bucket {args.bucket}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ValueError(f"--methods names no method, got {args.methods!r}")
+    runs = []
+    for method in methods:
+        factor = None if method == loading.PLAIN else args.factor
+        loading.check_method(method, factor)
+        runs.append((method if factor is None else f"{method} x{args.factor:g}", method, factor))
+    return runs, output.ResultFolder(args.output, "demo", ["demo.json", "demo.md", "demo.png"], args.overwrite).claim()
+
+
+def run(args: argparse.Namespace, plan) -> int:
     import torch
 
     from rope_ext.defaults import load_smollm2
@@ -29,13 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from rope_ext.evals.data import Document
     from rope_ext.evals.perplexity import evaluate
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for method in methods:
-        loading.check_method(method, None if method == loading.PLAIN else args.factor)
-    if args.length < 2 or args.bucket < 1:
-        raise ValueError("--length must be >= 2 and --bucket >= 1")
-    folder = output.ResultFolder(args.output, "demo", ["demo.json", "demo.md"], args.overwrite).claim()
-
+    runs, folder = plan
     model, tokenizer = load_smollm2()
     window = model.config.max_position_embeddings
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[0, : args.length]
@@ -46,10 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     record = output.provenance(model, None)
     results = {}
-    for method in methods:
-        factor = None if method == loading.PLAIN else args.factor
-        info = loading.apply_method(model, method, factor)
-        label = method if info is None else f"{method} x{args.factor:g}"
+    for label, method, factor in runs:
+        loading.apply_method(model, method, factor)
         print(f"-> {label}")
         results[label] = evaluate(model, [document], [args.length], truncate=True, bucket=args.bucket,
                                   progress=not args.no_progress)[args.length]
@@ -64,5 +74,9 @@ def run(args: argparse.Namespace) -> int:
     folder.write_json("demo.json", {"length": args.length, "window": window, "factor": args.factor, "results": results,
                                     "provenance": record})
     folder.write_text("demo.md", note + "\n\n" + table + "\n" + output.provenance_line(record))
-    print(f"\nwrote {folder.folder}/demo.json and demo.md")
+    from rope_ext.evals.plots import ppl_by_position
+
+    folder.save_figure("demo.png", ppl_by_position({label: r["buckets"] for label, r in results.items()}, window,
+                                                   f"SmolLM2-135M: perplexity by position, {args.length} tokens"))
+    print(f"\nwrote {folder.folder}/demo.json, demo.md and demo.png")
     return 0

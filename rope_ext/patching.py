@@ -17,11 +17,14 @@ records; one carrying linear/dynamic scaling records no window, so `original_win
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 from torch import nn
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
+from .method.base import as_size
 from . import record
 from .patches import find_adapter
 
@@ -65,8 +68,8 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
         raise ValueError(f"method {method!r} needs a factor (> 1), e.g. factor=4")
     params = spec.validate(factor, params)
     factor = None if factor is None else float(factor)
-    if original_window is not None and (isinstance(original_window, bool) or not isinstance(original_window, int) or original_window < 1):
-        raise ValueError(f"original_window must be a positive int, got {original_window!r}")
+    if original_window is not None:
+        original_window = as_size(original_window, "original_window")
     adapter, site = _site(model)
     original, built_from_original = adapter.original_record(site, original_window)
     geometry = adapter.geometry(site, original, verify=built_from_original)
@@ -84,7 +87,8 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
     # Everything that can fail has run; from here on the model changes.
     native = adapter.install(site, rotary, transforms, max_length)
     config = site.config
-    record.write(config, method, factor, params, {k: v for k, v in original.items() if k != "attn_implementation"})
+    record.write(config, method, factor, params, original)
+    PatchedModel(site.model, method, max_length, native is not None).install()
     return PatchInfo(
         method=method, factor=factor, params=params, family=adapter.name, model_type=config.model_type,
         original_window=geometry.original_window, max_length=max_length, rotary_dim=geometry.rotary_dim,
@@ -113,7 +117,51 @@ def unpatch(model: nn.Module) -> None:
     if adapter.installed(site) is None:
         raise ValueError("this model is not patched by rope_ext")
     adapter.uninstall(site)
+    PatchedModel.uninstall(site.model)
     record.erase(site.config)
+
+
+class PatchedModel:
+    """What a patched transformers model answers in place of two of its methods, set on the
+    instance by `patch` and removed by `unpatch` (an object, so that `copy.deepcopy` of the model
+    gives methods of the copy):
+
+    - `save_pretrained` warns when transformers alone cannot reload the patch (no native
+      `rope_parameters`): such a checkpoint loads as another model except through
+      `rope_ext.from_pretrained`;
+    - `_get_stopping_criteria` (generate) moves transformers' "exceeded the model's predefined
+      maximum length" reminder from the config's window to the length the patch is meant for."""
+
+    METHODS = ("save_pretrained", "_get_stopping_criteria")
+
+    def __init__(self, model: nn.Module, method: str, max_length: int, reloads_natively: bool):
+        self.model, self.method, self.max_length, self.reloads_natively = model, method, max_length, reloads_natively
+
+    def install(self) -> None:
+        for name in self.METHODS:
+            setattr(self.model, name, getattr(self, name))
+
+    @classmethod
+    def uninstall(cls, model: nn.Module) -> None:
+        for name in cls.METHODS:
+            model.__dict__.pop(name, None)
+
+    def save_pretrained(self, *args, **kwargs):
+        if not self.reloads_natively:
+            warnings.warn(
+                f"rope_ext: no transformers rope_parameters express the {self.method!r} patch of this model, so a plain "
+                "from_pretrained of the checkpoint loads the unpatched model; load it with rope_ext.from_pretrained(path), "
+                "which re-applies the patch",
+                UserWarning, stacklevel=2,
+            )
+        return type(self.model).save_pretrained(self.model, *args, **kwargs)
+
+    def _get_stopping_criteria(self, *args, **kwargs):
+        criteria = type(self.model)._get_stopping_criteria(self.model, *args, **kwargs)
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria) and criterion.max_position_embeddings is not None:
+                criterion.max_position_embeddings = max(criterion.max_position_embeddings, self.max_length)
+        return criteria
 
 
 def lora_targets(model: nn.Module) -> list[str]:

@@ -88,14 +88,16 @@ class ExtendedRotaryEmbedding(nn.Module):
         q_pos = position_ids.expand(x.shape[0], -1)
         k_pos = q_pos
         cache = self._pending_cache
-        if cache is not None and cache.get_seq_length() > 0:
+        if cache is not None and (held := cache.get_seq_length()) > 0:
             past = self._key_positions.get(cache)
-            if past is None or past.shape[-1] != cache.get_seq_length():
+            # A cache may get shorter (assisted decoding crops rejected candidates): the keys that
+            # remain are the oldest ones, at the positions they were written with.
+            if past is None or past.shape[-1] < held:
                 raise RuntimeError(
                     "rope_ext: this KV cache holds keys that the patched model did not write "
-                    "(filled before patching, cropped or reordered); start from a fresh cache"
+                    "(filled before patching, or reordered); start from a fresh cache"
                 )
-            k_pos = torch.cat((past.expand(x.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
+            k_pos = torch.cat((past[..., :held].expand(x.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
         self.frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
         # The attention layers get an identity rotation, so the cache stores un-rotated keys;
         # the rope-ext attention function rotates queries and keys with `self.frame`.

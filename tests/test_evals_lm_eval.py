@@ -5,6 +5,7 @@ equals ours under the same windows."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 
@@ -24,7 +25,7 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
     assert lm.max_length == 256
     described = rope_ext.describe(lm.model)
     assert described["method"] == "yarn" and described["params"]["beta_fast"] == 16
-    with pytest.raises(ValueError, match="needs --factor"):
+    with pytest.raises(ValueError, match="needs factor="):
         RopeExtLM(pretrained=str(tiny_path), method="ntk")
 
 
@@ -79,3 +80,37 @@ def test_tasks_run_through_lm_eval(tiny_path, tiny_tokenizer, tmp_path):
     assert 10 < token_ppl < 200  # a trained model on held-out text
     word_ppl = results["rope_ext_longppl"]["word_perplexity,none"]
     assert math.log(word_ppl) == pytest.approx(ours["nll"] * len(ids) / len(re.split(r"\s+", text)), rel=1e-4)
+
+
+def test_python_route_builds_the_tasks_for_the_evaluated_model(tiny_path, tiny_tokenizer, caplog, monkeypatch):
+    """simple_evaluate with the tasks folder on a TaskManager that holds no model_args: the prompts
+    follow the tiny model's tokenizer and patched max_length (256), not SmolLM2's 8192 window, and
+    the per-length metrics raise no "not scored on the same number of documents" warning."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from rope_ext.evals import passkey as passkey_mod
+    from rope_ext.evals.lm_eval_model import TASKS_DIR
+
+    manager = TaskManager(include_path=str(TASKS_DIR), metadata={"passkey_depths": [0.5], "passkey_trials": 1})
+    monkeypatch.setattr(logging.getLogger("lm_eval"), "propagate", True)  # lm-eval's setup_logging turns it off
+    with caplog.at_level(logging.WARNING):
+        out = lm_eval.simple_evaluate(model="rope_ext", model_args=f"pretrained={tiny_path},method=yarn,factor=2",
+                                      tasks=["rope_ext_passkey"], task_manager=manager, log_samples=True)
+    shortest = passkey_mod.minimum_length(tiny_tokenizer) + 10
+    expected = [n for n in (64, 128, 256) if n >= shortest]
+    passkey = out["results"]["rope_ext_passkey"]
+    assert sorted(int(k.split(",")[0][4:]) for k in passkey if re.fullmatch(r"acc_\d+,first_integer", k)) == expected
+    samples = out["samples"]["rope_ext_passkey"]
+    assert [s["doc"]["length"] for s in samples] == expected
+    for s in samples:
+        assert len(tiny_tokenizer(s["doc"]["prompt"])["input_ids"]) <= s["doc"]["length"] - 10
+    assert not [r for r in caplog.records if "not scored on the same number" in r.getMessage()]
+
+
+def test_tasks_refuse_without_a_rope_ext_model(monkeypatch):
+    from rope_ext.evals import lm_eval_tasks
+
+    monkeypatch.setattr(lm_eval_tasks, "_evaluated", {})
+    with pytest.raises(ValueError, match="rope_ext_passkey: .* no rope_ext model has been built"):
+        lm_eval_tasks.passkey_dataset(passkey_lengths=[128])

@@ -72,6 +72,15 @@ def test_matches_the_definition_in_blocks_chunks_and_decoding(monkeypatch, attn)
         # small score blocks: many query blocks, each with its own keys and mask
         monkeypatch.setattr(self_extend, "SCORE_BYTES", 4 * 4 * 40 * (4 * WINDOW + window))
         RecordShapes.largest = 0
+        # rows past the window attend through attend_with_lse, not the backend: record its masks too
+        attend_with_lse = self_extend.attend_with_lse
+
+        def recorded(query, key, value, *, mask=None, **kwargs):
+            if mask is not None:
+                RecordShapes.largest = max(RecordShapes.largest, mask.numel())
+            return attend_with_lse(query, key, value, mask=mask, **kwargs)
+
+        monkeypatch.setattr(self_extend, "attend_with_lse", recorded)
         set_chain(model, [self_extend.GroupedAttention(rotary), RecordShapes()])
         full = model(ids).logits
         largest_mask = RecordShapes.largest

@@ -251,6 +251,14 @@ class ChatGLMRotaryEmbedding(nn.Module):
         # The same causal schedule as the core module (it reads only `geometry` and `params`).
         return ExtendedRotaryEmbedding.scaled_lengths(self, q_pos)
 
+    # The transformer's hooks are bound methods, not closures: `copy.deepcopy` of the model then
+    # gives hooks that call the copy's module.
+    def pre_hook(self, transformer: nn.Module, args, kwargs) -> None:
+        self.before_forward(inspect.signature(transformer.forward).bind_partial(*args, **kwargs).arguments)
+
+    def hook(self, transformer: nn.Module, args, output) -> None:
+        self.after_forward(output)
+
     def before_forward(self, inputs: dict) -> None:
         """Called by a pre-forward hook on the transformer with its bound arguments."""
         position_ids, input_ids = inputs.get("position_ids"), inputs.get("input_ids")
@@ -411,12 +419,9 @@ class ChatGLMFamily(FamilyAdapter):
             self._detach(site)
         site.transformer.rotary_pos_emb = rotary
         site.rotary = rotary
-        arguments = inspect.signature(site.transformer.forward)
         rotary._hooks = [
-            site.transformer.register_forward_pre_hook(
-                lambda m, a, kw: rotary.before_forward(arguments.bind_partial(*a, **kw).arguments), with_kwargs=True
-            ),
-            site.transformer.register_forward_hook(lambda m, a, out: rotary.after_forward(out)),
+            site.transformer.register_forward_pre_hook(rotary.pre_hook, with_kwargs=True),
+            site.transformer.register_forward_hook(rotary.hook),
         ]
         if rotary.dynamic:
             for core in site.cores:
@@ -436,6 +441,8 @@ class ChatGLMFamily(FamilyAdapter):
         for handle in getattr(rotary, "_hooks", []):
             handle.remove()
         rotary._hooks = []
+        if not rotary.dynamic:  # only dynamic methods wrap core attention (a checkpoint may have none)
+            return
         for core in site.cores:
             wrapper = core.__dict__.get("forward")
             if isinstance(wrapper, RotatingCoreAttention):

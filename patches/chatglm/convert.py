@@ -37,6 +37,9 @@ from ..base import unwrap
 from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
 MEANINGS = ("base", "positions")
+# how messages name the rope_ratio_meaning option: convert_chatglm's keyword, the command's flag
+PYTHON_SPELLING = "rope_ratio_meaning={!r}"
+CLI_SPELLING = "--rope-ratio-meaning {}"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Files copied beside the weights so the converted folder keeps its tokenizer and generation settings.
 COPIED = ("tokenizer*", "tokenization_*.py", "*.model", "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
@@ -201,7 +204,7 @@ def native_weights(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
     return out
 
 
-def _load_source(src, rope_ratio_meaning: str | None):
+def _load_source(src, rope_ratio_meaning: str | None, spelling: str):
     """(config dict, weights, meaning, where the meaning came from, folder to copy files from)."""
     if isinstance(src, nn.Module):
 
@@ -217,50 +220,65 @@ def _load_source(src, rope_ratio_meaning: str | None):
         record = read_convention(site.rotary, model.config, model.config.kv_channels)
         meaning = record["rope_ratio_meaning"]
         if rope_ratio_meaning is not None and meaning is not None and rope_ratio_meaning != meaning:
-            raise ValueError(f"rope_ratio_meaning={rope_ratio_meaning!r}, but the model's rotary module {meaning!r}")
+            raise ValueError(f"{spelling.format(rope_ratio_meaning)}, but the model's rotary module {meaning!r}")
         name = getattr(model.config, "_name_or_path", None)
         folder = Path(name) if name and Path(name).is_dir() else None
         return config, model.state_dict(), meaning, "the loaded model's rotary module", folder
     src = Path(src)
+    config, meaning, source = _folder_source(src, rope_ratio_meaning, spelling)
+    return config, _read_weights(src), meaning, source, src
+
+
+def _folder_source(src: Path, rope_ratio_meaning: str | None, spelling: str):
+    """(config dict, meaning of rope_ratio, where the meaning came from) of a checkpoint folder,
+    without reading its weights; `spelling` formats the rope_ratio_meaning option in messages."""
     config_path = src / "config.json"
     if not config_path.is_file():
-        raise ValueError(f"{src}: no config.json")
+        raise ValueError(f"{src}: no config.json (not a checkpoint folder)")
     config = json.loads(config_path.read_text())
     _check_supported(config)
     ratio = float(config.get("rope_ratio", 1))
     if ratio == 1:
-        meaning, source = None, "rope_ratio is 1"
-    elif rope_ratio_meaning is not None:
-        meaning, source = rope_ratio_meaning, "the caller"
-    else:
-        code = _modeling_file(src, config)
-        meaning = ratio_meaning_from_code(code.read_text()) if code else None
-        if meaning is None:
-            where = f"{code.name} uses self.rope_ratio both ways or not at all" if code else "no local modeling file"
-            raise ValueError(
-                f"{src}: rope_ratio={ratio:g}, and its meaning cannot be read ({where}); pass rope_ratio_meaning="
-                "'base' (ChatGLM3-6B-32K, GLM-4: base = 10000 * rope_ratio) or 'positions' (ChatGLM2-6B-32K: "
-                "positions / rope_ratio), or convert a model loaded with trust_remote_code=True"
-            )
-        source = code.name
-    return config, _read_weights(src), meaning, source, src
+        return config, None, "rope_ratio is 1"
+    if rope_ratio_meaning is not None:
+        return config, rope_ratio_meaning, "the caller"
+    code = _modeling_file(src, config)
+    meaning = ratio_meaning_from_code(code.read_text()) if code else None
+    if meaning is None:
+        where = f"{code.name} uses self.rope_ratio both ways or not at all" if code else "no local modeling file"
+        raise ValueError(
+            f"{src}: rope_ratio={ratio:g}, and its meaning cannot be read ({where}); pass {spelling.format('base')} "
+            f"(ChatGLM3-6B-32K, GLM-4: base = 10000 * rope_ratio) or {spelling.format('positions')} (ChatGLM2-6B-32K: "
+            "positions / rope_ratio), or convert a model loaded with trust_remote_code=True"
+        )
+    return config, meaning, code.name
 
 
-def convert_chatglm(src, dst, *, rope_ratio_meaning: str | None = None, dtype: torch.dtype | None = None, max_shard_size: str = "5GB") -> Conversion:
+def check_destination(dst: Path) -> None:
+    """FileExistsError unless `dst` is a new or empty folder."""
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file, not a folder; choose a new folder")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; choose a new folder")
+
+
+def convert_chatglm(src, dst, *, rope_ratio_meaning: str | None = None, dtype: torch.dtype | None = None,
+                    max_shard_size: str = "5GB", spelling: str = PYTHON_SPELLING) -> Conversion:
     """Write the remote-code ChatGLM checkpoint `src` (a folder, or a model loaded with
     trust_remote_code=True) as a native transformers GLM checkpoint in `dst`.
 
     rope_ratio_meaning: 'base' or 'positions', needed only for a folder whose modeling file does not
-    say. dtype: of the written weights (default: the source's). Raises ValueError, writing nothing,
-    on anything that has no native equivalent, and FileExistsError when `dst` holds files."""
+    say. dtype: of the written weights (default: the source's). spelling: how messages name the
+    rope_ratio_meaning option (the command line passes its flag). Raises ValueError, writing
+    nothing, on anything that has no native equivalent, and FileExistsError when `dst` is a file or
+    holds files."""
     from transformers import GlmForCausalLM
 
     if rope_ratio_meaning not in (None, *MEANINGS):
         raise ValueError(f"rope_ratio_meaning must be one of {MEANINGS}, got {rope_ratio_meaning!r}")
     dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty; choose a new folder")
-    config, weights, meaning, meaning_from, folder = _load_source(src, rope_ratio_meaning)
+    check_destination(dst)
+    config, weights, meaning, meaning_from, folder = _load_source(src, rope_ratio_meaning, spelling)
     tensors = native_weights(weights, config)
     source_dtype = tensors["model.embed_tokens.weight"].dtype
     dtype = dtype or source_dtype
@@ -296,10 +314,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", help="largest weight file written (default 5GB)")
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """The destination, and the source folder up to the meaning of its rope_ratio, before any
+    weight is read."""
+    check_destination(Path(args.dst))
+    _folder_source(Path(args.src), args.rope_ratio_meaning, CLI_SPELLING)
+
+
+def run(args: argparse.Namespace, plan: None = None) -> int:
     result = convert_chatglm(
         args.src, args.dst, rope_ratio_meaning=args.rope_ratio_meaning,
-        dtype=DTYPES[args.dtype] if args.dtype else None, max_shard_size=args.max_shard_size,
+        dtype=DTYPES[args.dtype] if args.dtype else None, max_shard_size=args.max_shard_size, spelling=CLI_SPELLING,
     )
     meaning = {"base": "multiplies the base", "positions": "divides positions", None: "is 1"}[result.rope_ratio_meaning]
     print(f"rope_ratio {result.rope_ratio:g} {meaning} (read from {result.meaning_from})")

@@ -8,7 +8,8 @@ trained window the bias is zero and farther keys fade out linearly.
 
 The rotary part is any registered method (`rope="ntk"`, `"yarn"`, ...) at the patch's factor, or
 `rope=None` for the model's own RoPE: then `factor` only sets the length the patched model is
-meant for (PatchInfo.max_length, config.max_position_embeddings).
+meant for (PatchInfo.max_length; the config keeps the trained window, as a plain reload is the
+unpatched model).
 
 The bias is an AttentionTransform (rope_ext.attention), the last step of the rope-ext chain, and
 never builds a [B, H, L, L] tensor for the whole sequence:
@@ -44,7 +45,7 @@ from torch import nn
 from rope_ext.attention import AttentionTransform, base_name, causal_mask
 from rope_ext.geometry import RotaryGeometry
 
-from .base import Method, ModelFacts, default_inv_freq
+from .base import Method, ModelFacts, as_number, as_size, default_inv_freq
 from .rope import METHODS
 
 ROPE_METHODS = {m.name: m for m in METHODS}
@@ -61,6 +62,8 @@ FORMULA = "logits[h,i,j] += -slope_scale * m_h * max(0, i - j - w) for j <= i; m
 MASK_BYTES = 32 << 20
 QUERY_ROWS = 256
 MAX_CHUNKS = 16
+# the bias, slope_scale x m_h x distance, stays finite in fp32 for any distance below 2^31
+MAX_SLOPE_SCALE = 1e6
 
 MASK_BACKENDS = ("eager", "sdpa")  # take an additive [B, H, Sq, Sk] mask
 BACKENDS = (*MASK_BACKENDS, "flex_attention", "flash_attention_2")
@@ -78,7 +81,14 @@ class HybridMethod(Method):
 
     def validate(self, factor, params: dict) -> dict:
         self.check_known(params, f"{NAME} with rope={params.get('rope', PARAMS['rope'])!r}")
-        own = _checked({**PARAMS, **{k: v for k, v in params.items() if k in PARAMS}})
+        own = {**PARAMS, **{k: v for k, v in params.items() if k in PARAMS}}
+        if own["w"] is not None:
+            own["w"] = as_size(own["w"], f"{NAME}: w (the bias-free distance in tokens, or None for the original window)", 0)
+        if own["slope_scale"] is not None and not isinstance(own["slope_scale"], bool):
+            own["slope_scale"] = as_number(own["slope_scale"], f"{NAME}: slope_scale")
+            if not own["slope_scale"] <= MAX_SLOPE_SCALE:
+                raise ValueError(f"{NAME}: slope_scale must be a finite number in (0, {MAX_SLOPE_SCALE:g}], got {own['slope_scale']!r}")
+        own = _checked(own)
         rope_params = {k: v for k, v in params.items() if k not in PARAMS}
         # With rope=None the factor still has to be a number > 1: it sets max_length.
         rotary = self.rope or Method(NAME, self.fn, self.summary, self.formula)

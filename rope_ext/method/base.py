@@ -16,12 +16,14 @@ What a method may add is declared on it, never special-cased by the orchestratio
   its own linear scaling);
 - `needs_attention_interface`: attention must run through transformers' AttentionInterface;
 - `load_state(model, path, params)`: state a saved checkpoint holds beyond the config;
-- `keeps_config_window`: the config's max_position_embeddings stays the trained window.
+- `keeps_config_window`: the config's max_position_embeddings stays the trained window even
+  where `native` reloads the patch (a method without a native form always keeps it).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,6 +38,13 @@ FrequencyFn = Callable[..., "tuple[torch.Tensor, float]"]
 # token-by-token decoding; causal=False uses one scaling per forward from its longest position, as
 # transformers does. granularity=g re-scales every g tokens past the window instead of every token.
 SCHEDULE_PARAMS = {"causal": True, "granularity": 1}
+
+# Bounds that keep the arithmetic finite: positions and windows are int64 tensors that a product
+# of two such sizes must not overflow; the max_length of factor x window must be an int; cos/sin
+# scaled by attention_factor scale both queries and keys, so logits grow by its square.
+MAX_POSITIONS = 2**31 - 1
+MAX_FACTOR = 2.0**20
+MAX_ATTENTION_FACTOR = 100.0
 
 
 @dataclass(frozen=True)
@@ -78,23 +87,28 @@ class Method:
         return self
 
     def validate(self, factor, params: dict) -> dict:
-        """Checked parameters with defaults filled in; raises ValueError on anything wrong."""
+        """Checked parameters with defaults filled in, numbers as Python ints and floats; raises
+        ValueError on anything wrong."""
         check_factor(factor)
         self.check_known(params)
         merged = {**self.all_params, **params}
+        for key, default in self.all_params.items():
+            if isinstance(default, bool):
+                if not isinstance(merged[key], bool):
+                    raise ValueError(f"{self.name}: {key} must be True or False, got {merged[key]!r}")
+            elif merged[key] is not None:
+                merged[key] = as_number(merged[key], f"{self.name}: parameter {key}")
+                if not math.isfinite(merged[key]):
+                    raise ValueError(f"{self.name}: parameter {key}={merged[key]!r} must be a finite number")
         if self.dynamic:
             check_schedule(self.name, merged)
-        for key, value in merged.items():
-            if value is None or isinstance(value, bool):
-                continue
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{self.name}: parameter {key}={value!r} must be a finite number")
         if "beta_fast" in merged and not merged["beta_fast"] > merged["beta_slow"] > 0:
             raise ValueError(f"{self.name}: need beta_fast > beta_slow > 0, got {merged['beta_fast']}, {merged['beta_slow']}")
         if "high_freq_factor" in merged and not merged["high_freq_factor"] > merged["low_freq_factor"] > 0:
             raise ValueError(f"{self.name}: need high_freq_factor > low_freq_factor > 0")
-        if merged.get("attention_factor") is not None and merged["attention_factor"] <= 0:
-            raise ValueError(f"{self.name}: attention_factor must be > 0")
+        if merged.get("attention_factor") is not None and not 0 < merged["attention_factor"] <= MAX_ATTENTION_FACTOR:
+            raise ValueError(f"{self.name}: attention_factor must be in (0, {MAX_ATTENTION_FACTOR:g}], "
+                             f"got {merged['attention_factor']!r}")
         return merged
 
     def check_known(self, params: dict, context: str = "") -> None:
@@ -125,19 +139,45 @@ class Method:
         return self.fn(geom, seq_len, factor=factor, **math_params)
 
 
-def check_factor(factor) -> None:
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise ValueError(f"factor must be a number > 1, got {factor!r}")
-    if not math.isfinite(factor) or factor <= 1:
-        raise ValueError(f"factor must be a finite number > 1, got {factor!r}")
+def as_number(value, what: str) -> int | float:
+    """`value` as a Python int or float: numpy scalars and 0-d tensors count as the number they
+    hold; a bool, a string or anything else is a ValueError that starts with `what`."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool and not value.dtype.is_complex:
+        value = value.item()
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and hasattr(value, "item"):
+        value = value.item()  # numpy scalars
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a number, got {value!r}")
+    return value
+
+
+def as_size(value, what: str, minimum: int = 1) -> int:
+    """`value` as a Python int in [minimum, MAX_POSITIONS] (a token count or a group size)."""
+    try:
+        number = as_number(value, what)
+    except ValueError:
+        number = None
+    if not isinstance(number, int) or not minimum <= number <= MAX_POSITIONS:
+        raise ValueError(f"{what} must be an int in [{minimum}, {MAX_POSITIONS}], got {value!r}")
+    return number
+
+
+def check_factor(factor) -> float:
+    """`factor` as a float in (1, MAX_FACTOR]; ValueError naming what is accepted."""
+    accepted = f"factor must be a finite number > 1 and <= {MAX_FACTOR:.0f}"
+    try:
+        number = as_number(factor, "factor")
+    except ValueError:
+        raise ValueError(f"{accepted}, got {factor!r}") from None
+    if not math.isfinite(number) or not 1 < number <= MAX_FACTOR:
+        raise ValueError(f"{accepted}, got {factor!r}")
+    return float(number)
 
 
 def check_schedule(name: str, params: dict) -> None:
     if not isinstance(params["causal"], bool):
         raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
-    g = params["granularity"]
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-        raise ValueError(f"{name}: granularity must be an int >= 1, got {g!r}")
+    params["granularity"] = as_size(params["granularity"], f"{name}: granularity")
 
 
 def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = None) -> torch.Tensor:

@@ -207,10 +207,12 @@ METHODS = [
         "dynamic", dynamic, "dynamic NTK: NTK base grown with the current length L'",
         "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", dynamic=True,
         # transformers' `dynamic` reads max_position_embeddings as the original window, so the
-        # config keeps it. Exact for causal=False; transformers has no per-token schedule
-        # (rope_ext.from_pretrained restores it).
+        # config keeps it. It is this method with causal=False only: transformers has no
+        # per-token schedule, so the causal one has no native form (rope_ext.from_pretrained).
         keeps_config_window=True,
-        native_fn=lambda g, factor, params, rope: {"rope_type": "dynamic", "factor": factor, **_base(g, rope)},
+        native_fn=lambda g, factor, params, rope: (
+            None if params["causal"] else {"rope_type": "dynamic", "factor": factor, **_base(g, rope)}
+        ),
     ),
     RopeMethod(
         "yarn", yarn, "YaRN: NTK-by-parts + attention temperature",

@@ -21,12 +21,12 @@ the capacity. `window` defaults to L / 4.
 
 How it runs: the rotary module hands attention an identity rotation, so the KV cache keeps keys
 before rotation (the mechanism of the dynamic methods, rope_ext.rotary), and `GroupedAttention`
-rotates queries and keys twice, at their own and at their grouped positions. One backend call
-computes both kinds of logits in one softmax: queries are [q_own, q_grouped] and keys are
-[k_own, 0] for neighbours and [0, k_grouped] for distant tokens, so a dot product picks one pair
-(the doubled head size costs about twice the attention of the unpatched model past the window).
-Queries go in blocks whose scores stay under SCORE_BYTES, each with its own mask for only the keys
-it can see: no [L, L] tensor is built.
+rotates queries and keys twice, at their own and at their grouped positions. Rows past the window
+attend their neighbours (own positions) and the distant keys (grouped positions) in two attention
+calls of the model's own head size, merged by their log-sum-exp into one softmax
+(rope_ext.attention.merge_by_lse), so each query attends every earlier key once, as in plain
+attention. Queries go in blocks whose masks stay under SCORE_BYTES, each for only the keys it can
+see: no [L, L] tensor is built. Rows inside the window go through the model's own backend.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_ext.attention import RotateInAttention, causal_mask
+from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, trained_frequencies
 
 NAME = "self_extend"
 PARAMS = {"group": None, "window": None}
@@ -71,9 +71,8 @@ class SelfExtendMethod(Method):
         self.check_known(params)
         merged = {**self.all_params, **params}
         for key in ("group", "window"):
-            value = merged[key]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{NAME}: {key} must be an int >= 1 (or None for the default), got {value!r}")
+            if merged[key] is not None:
+                merged[key] = as_size(merged[key], f"{NAME}: {key} (or None for the default)")
         if merged["group"] is not None and merged["group"] < 2:
             raise ValueError(f"{NAME}: group must be >= 2 (group 1 is the unpatched model), got {merged['group']}")
         if factor is None and merged["group"] is None:
@@ -159,37 +158,23 @@ class GroupedAttention(RotateInAttention):
         first = int(extended.any(0).nonzero()[0])
         q_group = self._rotate(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
         k_group = self._rotate(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
-        queries = torch.cat((q_own, q_group), dim=-1)
-        neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
-        distant = torch.cat((torch.zeros_like(k_own), k_group), dim=-1)
-        if kwargs.get("scaling") is None:  # the backend's default would read the doubled width
-            kwargs["scaling"] = query.shape[-1] ** -0.5
-
         outputs = []
         if first:
-            outputs.append(self._exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
+            outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
         rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
         for lo in range(first, q_len, rows):
             hi = min(lo + rows, q_len)
             outputs.append(self._grouped_rows(
-                module, queries, neighbours, distant, value, attention_mask, attend, extended, offset, lo, hi, window, kwargs
-            ))
+                (q_own, k_own), (q_group, k_group), value, attention_mask, extended, offset, lo, hi, window, kwargs.get("scaling")
+            ).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
 
-    def _exact_rows(self, module, q_own, k_own, value, mask, attend, offset, hi, kwargs):
-        """Rows [0, hi) attend with their own positions only (no query among them is past the window)."""
-        end = offset + hi
-        if mask is not None:
-            mask = mask[:, :, :hi, :end]
-        elif offset:  # sdpa's causal shortcut covers only a square block
-            mask = causal_mask(offset, hi, end, q_own.dtype, q_own.device)
-        out, _ = attend(module, q_own[:, :, :hi], k_own[:, :, :end], value[:, :, :end], mask, **kwargs)
-        return out
-
-    def _grouped_rows(self, module, queries, neighbours, distant, value, mask, attend, extended, offset, lo, hi, window, kwargs):
-        """Query rows [lo, hi) against the distant keys they group ([0, far_end)) and the keys they see
-        with their own positions ([near_lo, end)), in one backend call."""
-        device = queries.device
+    def _grouped_rows(self, own, grouped, value, mask, extended, offset, lo, hi, window, scaling):
+        """Query rows [lo, hi) as [B, H, rows, D]: attention to the distant keys they group
+        ([0, far_end), grouped positions) and to the keys they see with their own positions
+        ([near_lo, end)), one call each, merged by log-sum-exp into one softmax."""
+        (q_own, k_own), (q_group, k_group) = own, grouped
+        device, dtype = q_own.device, q_own.dtype
         end = offset + hi
         q_index = torch.arange(offset + lo, end, device=device)  # [rows], as key indices
         rows_extended = extended[:, lo:hi]  # [B, rows]
@@ -198,20 +183,17 @@ class GroupedAttention(RotateInAttention):
         near_lo = 0 if not bool(rows_extended.all()) else max(0, offset + lo - window + 1)
         far = torch.arange(far_end, device=device)
         near = torch.arange(near_lo, end, device=device)
-        far_ok = rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None]
         distance = q_index[:, None] - near[None, :]
-        near_ok = (distance >= 0)[None] & ((distance < window)[None] | ~rows_extended[:, :, None])
-        allowed = torch.cat((far_ok, near_ok), dim=-1)[:, None]  # [B, 1, rows, far + near]
-        given = None
-        if mask is not None:
-            given = torch.cat((mask[:, :, lo:hi, :far_end], mask[:, :, lo:hi, near_lo:end]), dim=-1)
-        keys = torch.cat((distant[:, :, :far_end], neighbours[:, :, near_lo:end]), dim=-2)
-        values = torch.cat((value[:, :, :far_end], value[:, :, near_lo:end]), dim=-2)
-        # values as wide as queries and keys: fused kernels (flash attention on CPU too) need one
-        # head size, and fall back to materialising the scores without it
-        values = torch.cat((values, torch.zeros_like(values)), dim=-1)
-        out, _ = attend(module, queries[:, :, lo:hi], keys, values, self._additive(allowed, given, queries.dtype), **kwargs)
-        return out[..., : value.shape[-1]]
+        near_ok = ((distance >= 0)[None] & ((distance < window)[None] | ~rows_extended[:, :, None]))[:, None]
+        near_mask = self._additive(near_ok, None if mask is None else mask[:, :, lo:hi, near_lo:end], dtype)
+        out, lse = attend_with_lse(q_own[:, :, lo:hi], k_own[:, :, near_lo:end], value[:, :, near_lo:end], mask=near_mask, scale=scaling)
+        parts = [(out, lse, (near_mask > torch.finfo(dtype).min).any(-1))]
+        if far_end:
+            far_ok = (rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None])[:, None]
+            far_mask = self._additive(far_ok, None if mask is None else mask[:, :, lo:hi, :far_end], dtype)
+            out, lse = attend_with_lse(q_group[:, :, lo:hi], k_group[:, :, :far_end], value[:, :, :far_end], mask=far_mask, scale=scaling)
+            parts.append((out, lse, (far_mask > torch.finfo(dtype).min).any(-1)))
+        return merge_by_lse(parts)
 
     @staticmethod
     def _additive(allowed: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

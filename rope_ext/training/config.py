@@ -50,7 +50,9 @@ DEFAULTS: dict = {
         "weight_decay": 0.0,
         "grad_clip": 1.0,
         "gradient_checkpointing": True,
-        "precision": "auto",  # auto: bf16 (fp16 where unsupported) on GPU, fp32 on CPU; overrides the accelerate config
+        # None: accelerate's setting (`accelerate config`, `--mixed_precision`); auto: bf16 (fp16
+        # where unsupported) on GPU, fp32 on CPU; no, bf16, fp16 as accelerate names them
+        "precision": None,
         "s2_groups": 0,  # LongLoRA shifted sparse attention with this many groups (0: full attention)
     },
     "eval": {
@@ -90,6 +92,7 @@ FLAGS = [
     ("--train-embeddings", "lora.train_embeddings", bool, "also train the input embeddings (LongLoRA)"),
     ("--train-norms", "lora.train_norms", bool, "also train the normalisation layers (LongLoRA)"),
     ("--dataset", "data.source", str, "gutenberg | text/JSONL file or folder | datasets id (clears data.exclude)"),
+    ("--exclude", "data.exclude", _csv, "comma-separated document names kept out of training"),
     ("--dataset-split", "data.split", str, "datasets split"),
     ("--text-field", "data.text_field", str, "datasets text column"),
     ("--seq-len", "data.seq_len", int, "training sequence length (default: the patched window)"),
@@ -101,10 +104,14 @@ FLAGS = [
     ("--weight-decay", "training.weight_decay", float, "AdamW weight decay"),
     ("--grad-clip", "training.grad_clip", float, "gradient norm clip (0: off)"),
     ("--gradient-checkpointing", "training.gradient_checkpointing", bool, "recompute activations in backward"),
-    ("--precision", "training.precision", str, "auto | no | bf16 | fp16"),
+    ("--precision", "training.precision", str, "auto | no | bf16 | fp16 (unset: accelerate's own setting)"),
     ("--s2-groups", "training.s2_groups", int, "LongLoRA shifted sparse attention groups (0: off)"),
     ("--seed", "training.seed", int, "seed for LoRA init, data order and dropout"),
     ("--eval-every", "eval.every", int, "perplexity eval at the target length every N steps (0: off)"),
+    ("--eval-source", "eval.source", str, "held-out text: gutenberg | text/JSONL file or folder | datasets id (clears eval.include)"),
+    ("--eval-include", "eval.include", _csv, "comma-separated document names to evaluate on (empty: every document)"),
+    ("--eval-split", "eval.split", str, "datasets split of the held-out text"),
+    ("--eval-text-field", "eval.text_field", str, "datasets text column of the held-out text"),
     ("--eval-tokens", "eval.max_tokens", int, "held-out tokens scored per eval"),
     ("--out", "output.dir", str, "output folder"),
     ("--save-every", "output.save_every", int, "checkpoint every N steps (0: no checkpoints)"),
@@ -139,12 +146,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "--resume", nargs="?", const="latest", default=None,
         help="continue from the newest checkpoint in --out (or from the checkpoint folder given)",
     )
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="method parameter, repeatable")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="method parameter (patch.params), repeatable")
     for flag, key, kind, help_text in FLAGS:
+        # the default shown is the built-in one; the flag's own default (None) means "keep the YAML's"
+        section, name = key.split(".")
+        shown = f"{help_text} (default: {_shown(DEFAULTS[section][name])})"
         if kind is bool:
-            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=shown)
         else:
-            parser.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
+            parser.add_argument(flag, dest=key, type=kind, default=None, help=shown)
     args = parser.parse_args(argv)
 
     cfg = copy.deepcopy(DEFAULTS)
@@ -158,14 +169,25 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         if value is not None:
             section, name = key.split(".")
             cfg[section][name] = value
-    if args.__dict__["data.source"] is not None:
-        cfg["data"]["exclude"] = []  # the YAML's names belong to the YAML's source
+    # the YAML's names belong to the YAML's source
+    if args.__dict__["data.source"] is not None and args.__dict__["data.exclude"] is None:
+        cfg["data"]["exclude"] = []
+    if args.__dict__["eval.source"] is not None and args.__dict__["eval.include"] is None:
+        cfg["eval"]["include"] = []
     try:
         cfg["patch"]["params"].update(parse_params(args.param))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_config(cfg)
     return cfg, args.resume
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return ",".join(value) or "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _positive_int(cfg: dict, key: str, minimum: int = 1) -> None:
@@ -204,8 +226,9 @@ def check_config(cfg: dict) -> None:
         _positive_int(cfg, "data.seq_len", minimum=2)
     if cfg["training"]["warmup_steps"] >= cfg["training"]["max_steps"]:
         raise ConfigError("training.warmup_steps must be smaller than training.max_steps")
-    if cfg["training"]["precision"] not in ("auto", "no", "bf16", "fp16"):
-        raise ConfigError(f"training.precision must be auto, no, bf16 or fp16, got {cfg['training']['precision']!r}")
+    if cfg["training"]["precision"] not in (None, "auto", "no", "bf16", "fp16"):
+        raise ConfigError(f"training.precision must be auto, no, bf16, fp16 or unset (accelerate's setting), "
+                          f"got {cfg['training']['precision']!r}")
     if not 0 <= cfg["lora"]["dropout"] < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
     if cfg["training"]["s2_groups"] and known[method]["dynamic"]:

@@ -4,9 +4,12 @@ evaluation text."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from rope_ext.defaults import cache_dir
 from rope_ext.evals.data import Document, iter_texts, tokenize_documents
@@ -16,7 +19,10 @@ from .config import ConfigError
 def load_documents(spec: dict, names_key: str, tokenizer) -> list:
     """Tokenized documents (rope_ext.evals.data.Document) of a `data` or `eval` section:
     `names_key` "exclude" drops the named documents, "include" keeps only them."""
-    texts = list(iter_texts(spec["source"], spec["split"], spec["text_field"]))
+    try:
+        texts = list(iter_texts(spec["source"], spec["split"], spec["text_field"]))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     names = set(spec[names_key])
     unknown = sorted(names - {name for name, _ in texts})
     if unknown:
@@ -41,14 +47,18 @@ def tokenize_cached(texts: list[tuple[str, str]], tokenizer) -> list:
     for name, text in texts:
         digest.update(f"{len(name)}:{name}:{len(text)}:".encode())
         digest.update(text.encode("utf-8", "surrogatepass"))
-    path = cache_dir() / "finetune-tokens" / f"{digest.hexdigest()[:20]}.pt"
+    # safetensors, not pickle: reading the cache runs no code whatever the torch version
+    path = cache_dir() / "finetune-tokens" / f"{digest.hexdigest()[:20]}.safetensors"
     if path.is_file():
-        saved = torch.load(path)
-        return [Document(name, ids) for name, ids in zip(saved["names"], saved["ids"])]
+        with safe_open(str(path), framework="pt") as saved:
+            names = json.loads(saved.metadata()["names"])
+            parts = saved.get_tensor("ids").split(saved.get_tensor("lengths").tolist())
+        return [Document(name, ids) for name, ids in zip(names, parts)]
     documents = tokenize_documents(tokenizer, texts)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    torch.save({"names": [d.name for d in documents], "ids": [d.ids for d in documents]}, tmp)
+    save_file({"ids": torch.cat([d.ids for d in documents]), "lengths": torch.tensor([len(d) for d in documents])}, tmp,
+              metadata={"names": json.dumps([d.name for d in documents])})
     tmp.rename(path)
     return documents
 

@@ -1,0 +1,143 @@
+"""Cost of the attention-side methods against plain attention, side by side in one run on the
+embedded SmolLM2, and the agreement of self_extend with its one-softmax formulation.
+
+1. Forward time of the decoder at --length tokens (default 16384, 2x the window): the unpatched
+   model, self_extend x4 and dca x4. Variants are interleaved, so machine noise hits all of them;
+   the ratio of the fastest runs is the estimate, the ratio of the medians is printed beside it.
+2. self_extend as it runs (two attention calls of the model's head size, merged by log-sum-exp)
+   against the one-softmax formulation it replaced (one call on doubled head dims: queries
+   [q_own, q_grouped], keys [k_own, 0] and [0, k_grouped]), which `OneSoftmax` below keeps as
+   the reference: forward time, and max |delta logit| over every position in fp32.
+
+    python bench/attention_cost.py              # ~15 min on 2 CPU cores
+    python bench/attention_cost.py --length 4096 --repeats 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import rope_ext
+from rope_ext.attention import AttentionChain
+from rope_ext.defaults import gutenberg_text, load_smollm2
+from rope_ext.evals.output import provenance
+from rope_ext.method.self_extend import SCORE_BYTES, GroupedAttention
+
+FACTOR = 4.0
+HEAD_ROWS = 1024  # positions sent through the LM head at a time when comparing logits
+
+
+class OneSoftmax(GroupedAttention):
+    """self_extend's grouped rows as one backend call on doubled head dims: a dot product of
+    [q_own, q_grouped] with [k_own, 0] or [0, k_grouped] picks one pair of positions."""
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        rotary, frame = self.rotary, self.rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        k_pos = frame.k_pos[..., -kv_len:]
+        group, window = rotary.params["group"], rotary.params["window"]
+        inv_freq, scale = frame.angles(rotary.geometry.original_window)
+        q_own, k_own = self._rotate(query, frame.q_pos, inv_freq, scale), self._rotate(key, k_pos, inv_freq, scale)
+        extended = frame.lengths > rotary.geometry.original_window
+        first = int(extended.any(0).nonzero()[0])  # the bench's input always goes past the window
+        q_group = self._rotate(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
+        k_group = self._rotate(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        queries = torch.cat((q_own, q_group), dim=-1)
+        neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
+        distant = torch.cat((torch.zeros_like(k_own), k_group), dim=-1)
+        kwargs["scaling"] = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        outputs = [attend(module, q_own[:, :, :first], k_own[:, :, :first], value[:, :, :first], None, **kwargs)[0]]
+        rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
+        for lo in range(first, q_len, rows):
+            hi = min(lo + rows, q_len)
+            q_index = torch.arange(lo, hi)
+            far_end, near_lo = max(0, hi - window), max(0, lo - window + 1)
+            far_ok = (q_index[:, None] - torch.arange(far_end)[None, :]) >= window
+            distance = q_index[:, None] - torch.arange(near_lo, hi)[None, :]
+            allowed = torch.cat((far_ok, (distance >= 0) & (distance < window)), dim=-1)[None, None]
+            keys = torch.cat((distant[:, :, :far_end], neighbours[:, :, near_lo:hi]), dim=-2)
+            values = torch.cat((value[:, :, :far_end], value[:, :, near_lo:hi]), dim=-2)
+            values = torch.cat((values, torch.zeros_like(values)), dim=-1)  # fused kernels need one head size
+            out, _ = attend(module, queries[:, :, lo:hi], keys, values, self._additive(allowed, None, query.dtype), **kwargs)
+            outputs.append(out[..., : value.shape[-1]])
+        return torch.cat(outputs, dim=1), None
+
+
+def one_softmax_variant(model):
+    """A copy of `model` patched with self_extend, attending through OneSoftmax."""
+    variant = copy.deepcopy(model)
+    rope_ext.patch(variant, "self_extend", factor=FACTOR)
+    chain = AttentionChain([OneSoftmax(variant.model.rotary_emb)])
+    for layer in variant.model.layers:
+        layer.self_attn.rope_ext_attention = chain
+    return variant
+
+
+def patched(model, method: str):
+    variant = copy.deepcopy(model)
+    rope_ext.patch(variant, method, factor=FACTOR)
+    return variant
+
+
+@torch.inference_mode()
+def forward(model, ids) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    hidden = model.model(ids).last_hidden_state
+    return time.perf_counter() - start, hidden
+
+
+@torch.inference_mode()
+def max_logit_difference(model, a: torch.Tensor, b: torch.Tensor) -> float:
+    head = model.get_output_embeddings()
+    return max((head(a[:, i : i + HEAD_ROWS]).float() - head(b[:, i : i + HEAD_ROWS]).float()).abs().max().item()
+               for i in range(0, a.shape[1], HEAD_ROWS))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+    args = parser.parse_args()
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists; choose another --out")
+
+    model, tokenizer = load_smollm2()
+    ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : args.length]
+    variants = {"plain": model, "self_extend": patched(model, "self_extend"), "dca": patched(model, "dca"),
+                "self_extend, one softmax": one_softmax_variant(model)}
+    seconds = {name: [] for name in variants}
+    hidden = {}
+    for _ in tqdm(range(args.repeats), desc=f"forward x{args.length}"):
+        for name, variant in variants.items():
+            took, hidden[name] = forward(variant, ids)
+            seconds[name].append(took)
+    plain = seconds["plain"]
+    results = {
+        "length": args.length, "repeats": args.repeats, "provenance": provenance(model, None),
+        "forward_s": seconds,
+        "ratio_to_plain": {name: min(s) / min(plain) for name, s in seconds.items()},
+        "median_ratio_to_plain": {name: statistics.median(s) / statistics.median(plain) for name, s in seconds.items()},
+        "self_extend_max_abs_logit_difference": max_logit_difference(model, hidden["self_extend"], hidden["self_extend, one softmax"]),
+    }
+    print(f"\nDecoder forward at {args.length} tokens, fastest of {args.repeats} (torch threads: {torch.get_num_threads()})")
+    print("| variant | s | / plain | / plain, medians |\n|---|---|---|---|")
+    for name, s in seconds.items():
+        print(f"| {name} | {min(s):.1f} | {results['ratio_to_plain'][name]:.3f} | {results['median_ratio_to_plain'][name]:.3f} |")
+    print(f"\nself_extend vs its one-softmax formulation: max |delta logit| = {results['self_extend_max_abs_logit_difference']:.2e} (fp32)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "x") as f:  # never replace an earlier measurement
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The command lines' conventions (issue #16): --version and env, exit codes, imports only for the
+command that runs, --no-progress, and the fine-tune recipe's flags and defaults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers.utils import logging as transformers_logging
+
+from rope_ext import cli
+from rope_ext.evals import loading
+from rope_ext.training.config import DEFAULTS, FLAGS, parse_args
+from rope_ext.training.distributed import choose_precision
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rope-ext {cli.version('rope-ext')}"
+
+
+def test_env_names_versions_device_and_threads(capsys):
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in cli.PACKAGES:
+        assert name in out
+    assert torch.__version__ in out and transformers.__version__ in out
+    assert f"threads       {torch.get_num_threads()}" in out
+    assert "avx512-bf16" in out and ("cuda:0" in out if torch.cuda.is_available() else "cuda          not available" in out)
+
+
+def test_usage_errors_exit_2_and_failures_exit_1(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval", "ppl"])  # argparse: --lengths is required
+    assert exit_.value.code == 2
+    assert cli.main(["eval", "ppl", "--lengths", "64", "--method", "nope", "--output", str(tmp_path / "a")]) == 2
+    assert "rope-ext eval ppl: error: unknown method 'nope'" in capsys.readouterr().err
+
+    def fails(*args, **kwargs):
+        raise ValueError("the hub is unreachable")
+
+    monkeypatch.setattr(loading, "load_model", fails)
+    assert cli.main(["eval", "ppl", "--lengths", "64", "--output", str(tmp_path / "b")]) == 1
+    assert capsys.readouterr().err.strip() == "rope-ext eval ppl: failed: the hub is unreachable"
+
+
+def test_help_imports_only_the_command_it_describes():
+    code = ("import sys\nfrom rope_ext import cli\n"
+            "try:\n    cli.main(['eval', 'ppl', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('rope_ext.evals.', 'rope_ext.patches.chatglm.convert', "
+            "'rope_ext.demo'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    imported = eval(out.strip().splitlines()[-1])
+    assert "rope_ext.evals.perplexity" in imported
+    assert not {"rope_ext.evals.compare", "rope_ext.evals.passkey", "rope_ext.patches.chatglm.convert", "rope_ext.demo"} & set(imported)
+
+
+def test_no_progress_quiets_transformers_too(tmp_path, monkeypatch):
+    def fails(*args, **kwargs):
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(loading, "load_model", fails)
+    try:
+        assert cli.main(["eval", "ppl", "--lengths", "64", "--no-progress", "--output", str(tmp_path / "p")]) == 1
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()
+
+
+# The fine-tune recipe's command line.
+
+def test_every_yaml_key_has_a_flag():
+    flagged = {key for _, key, _, _ in FLAGS}
+    keys = {f"{section}.{name}" for section, values in DEFAULTS.items() for name in values}
+    assert keys - flagged == {"patch.params"}  # --param KEY=VALUE, repeatable
+    cfg, _ = parse_args(["--exclude", "a,b", "--eval-source", "gutenberg", "--eval-include", "c",
+                         "--eval-split", "test", "--eval-text-field", "body"])
+    assert cfg["data"]["exclude"] == ["a", "b"]
+    assert (cfg["eval"]["source"], cfg["eval"]["include"], cfg["eval"]["split"], cfg["eval"]["text_field"]) == (
+        "gutenberg", ["c"], "test", "body")
+
+
+def test_the_recipe_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "LoRA rank (default: 8)" in text
+    assert "peak learning rate (default: 0.0002)" in text
+    assert "(default: unset)" in text  # --precision: accelerate's own setting
+
+
+def test_precision_defers_to_accelerate_unless_set():
+    cfg, _ = parse_args([])
+    assert cfg["training"]["precision"] is None
+    assert choose_precision(cfg["training"]["precision"]) is None  # Accelerator(mixed_precision=None) reads accelerate's
+    cfg, _ = parse_args(["--precision", "bf16"])
+    assert choose_precision(cfg["training"]["precision"]) == "bf16"
+    cfg, _ = parse_args(["--precision", "auto"])
+    assert choose_precision(cfg["training"]["precision"]) in ("bf16", "fp16", "no")

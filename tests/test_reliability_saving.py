@@ -1,0 +1,66 @@
+"""What plain transformers reloads of a saved patched model (issue #15): a patch transformers
+cannot express warns at save_pretrained, and its config claims no window the plain reload does not
+deliver; rope_ext.from_pretrained restores the patch exactly."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import rope_ext
+
+
+def load(path):
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def logits(model, ids):
+    return model(ids).logits
+
+
+def rope_ext_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "rope_ext" in str(w.message)]
+
+
+@pytest.mark.parametrize("method,params", [
+    ("alibi_hybrid", {}), ("alibi_hybrid", {"rope": "yarn"}), ("dynamic", {}), ("dynamic_yarn", {}), ("self_extend", {}),
+])
+def test_a_patch_transformers_cannot_express_warns_and_reloads_plainly_as_the_unpatched_model(
+    tiny_model, tiny_path, heldout_ids, tmp_path, method, params
+):
+    x = heldout_ids[None, :300]
+    window = tiny_model.config.max_position_embeddings
+    unpatched = logits(tiny_model, x)
+    info = rope_ext.patch(tiny_model, method, factor=4, **params)
+    assert info.native is None
+    with pytest.warns(UserWarning, match=rf"'{method}' patch .* loads the unpatched model; load it with rope_ext\.from_pretrained\(path\)"):
+        tiny_model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert plain.config.max_position_embeddings == window
+    assert torch.equal(logits(plain, x), unpatched)
+    reloaded = rope_ext.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert rope_ext.describe(reloaded) == rope_ext.describe(tiny_model)
+    assert torch.equal(logits(reloaded, x), logits(tiny_model, x))
+
+
+@pytest.mark.parametrize("method,params", [("ntk", {}), ("yarn", {}), ("dynamic", {"causal": False})])
+def test_a_patch_transformers_expresses_saves_without_a_warning(tiny_model, tmp_path, method, params):
+    info = rope_ext.patch(tiny_model, method, factor=4, **params)
+    assert info.native is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_model.save_pretrained(tmp_path)
+    assert rope_ext_warnings(caught) == []
+
+
+def test_an_unpatched_model_saves_without_a_warning(tiny_model, tmp_path):
+    rope_ext.patch(tiny_model, "self_extend", factor=4)
+    rope_ext.unpatch(tiny_model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_model.save_pretrained(tmp_path)
+    assert rope_ext_warnings(caught) == [] and "save_pretrained" not in tiny_model.__dict__
