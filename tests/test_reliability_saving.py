@@ -64,3 +64,48 @@ def test_an_unpatched_model_saves_without_a_warning(tiny_model, tmp_path):
         warnings.simplefilter("always")
         tiny_model.save_pretrained(tmp_path)
     assert rope_ext_warnings(caught) == [] and "save_pretrained" not in tiny_model.__dict__
+
+
+# A corrupted rope_ext record in config.json: one reader (rope_ext.record), one clear error
+# naming the file and the key, on every loading route.
+
+def _saved_with_record(tmp_path, edit):
+    import json
+
+    from helpers import random_model
+
+    model = random_model()
+    rope_ext.patch(model, "yarn", factor=4)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    edit(config["rope_ext"])
+    path.write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda r: r.pop("factor"), "key rope_ext.factor is missing"),
+        (lambda r: r.update(factor="4"), "key rope_ext.factor must be"),
+        (lambda r: r.update(params=[1]), "key rope_ext.params must be dict"),
+        (lambda r: r.update(method="rope2"), "key rope_ext.method names unknown method 'rope2'"),
+        (lambda r: r.update(version=7), "rope_ext config format 7 is not supported"),
+        (lambda r: r["original"].pop("rope_parameters"), "key rope_ext.original.rope_parameters is missing"),
+        (lambda r: r["original"].update(original_window="8k"), "key rope_ext.original.original_window must be a positive int"),
+    ],
+)
+def test_a_corrupted_record_is_refused_naming_the_file_and_key(tmp_path, edit, message):
+    folder = _saved_with_record(tmp_path, edit)
+    with pytest.raises(ValueError, match=message) as raised:
+        rope_ext.from_pretrained(folder)
+    assert str(folder / "config.json") in str(raised.value)
+
+
+def test_the_lm_eval_model_reads_the_record_through_the_same_checks(tmp_path, tiny_path):
+    from rope_ext.evals.lm_eval_model import RopeExtLM
+
+    folder = _saved_with_record(tmp_path, lambda r: r.update(version=2))
+    with pytest.raises(ValueError, match="rope_ext config format 2 is not supported"):
+        RopeExtLM(pretrained=str(folder), tokenizer=str(tiny_path))
