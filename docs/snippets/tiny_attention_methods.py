@@ -11,7 +11,7 @@ path = ensure_tiny()
 ids = heldout_ids(AutoTokenizer.from_pretrained(path))
 W, L = 128, 512
 rows = torch.stack([ids[s : s + L + 1] for s in range(0, 16 * (L + 1), L + 1)])  # 16 consecutive held-out passages
-for method in ("plain", "ntk", "yarn", "self_extend", "dca"):
+for method in ("plain", "ntk", "yarn", "self_extend", "dca", "sink_window"):
     model = LlamaForCausalLM.from_pretrained(path).eval()
     if method != "plain":
         rope_ext.patch(model, method, factor=4)

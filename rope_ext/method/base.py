@@ -189,3 +189,13 @@ def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = N
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
     """The model's own frequencies, for methods that change attention rather than the rotation."""
     return default_inv_freq(geom), 1.0
+
+
+def refuse_schedule(name: str, params: dict) -> None:
+    """For attention-side methods whose positions follow from each query's own position: the
+    dynamic schedule's parameters do not apply."""
+    if params["causal"] is not True or params["granularity"] != 1:
+        raise ValueError(
+            f"{name}: causal and granularity do not apply (every query's positions follow from its own "
+            f"position); got causal={params['causal']!r}, granularity={params['granularity']!r}"
+        )

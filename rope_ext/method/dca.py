@@ -38,7 +38,7 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, causal_mask, 
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, refuse_schedule, trained_frequencies
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
@@ -65,11 +65,7 @@ class DualChunkMethod(Method):
             value = merged[key]
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{NAME}: {key} must be an int >= 1 (or None for the default), got {value!r}")
-        if merged["causal"] is not True or merged["granularity"] != 1:
-            raise ValueError(
-                f"{NAME}: causal and granularity do not apply (every query's positions follow from its own "
-                f"position); got causal={merged['causal']!r}, granularity={merged['granularity']!r}"
-            )
+        refuse_schedule(NAME, merged)
         super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
 
@@ -115,18 +111,8 @@ class DualChunkAttention(RotateInAttention):
         kv_len, q_len = key.shape[-2], query.shape[-2]
         if frame.k_pos.shape[-1] < kv_len:
             raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {frame.k_pos.shape[-1]}")
+        first = self.one_sequence(attention_mask, kv_len, q_len, NAME)
         k_pos, q_pos = frame.k_pos[..., -kv_len:], frame.q_pos
-        first = int(k_pos[0, 0])
-        expected = torch.arange(first, first + kv_len, device=k_pos.device)
-        # the chunked parts attend every earlier key: a mask that hides keys from the newest query
-        # (padding, a sliding window) cannot be honoured
-        newest = None if attention_mask is None else attention_mask[:, :, -1, :kv_len]
-        hidden = newest is not None and not bool((newest if newest.dtype == torch.bool else newest == 0).all())
-        if hidden or not (bool((k_pos == expected).all()) and bool((q_pos == expected[kv_len - q_len :]).all())):
-            raise ValueError(
-                f"{NAME}: positions must be those of one unpadded sequence (padded batches and sliding windows "
-                "are not supported); run one sequence at a time"
-            )
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
         inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies

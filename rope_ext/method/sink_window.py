@@ -1,0 +1,148 @@
+"""sink_window: local attention with attention sinks (StreamingLLM, Xiao et al. 2024, "Efficient
+Streaming Language Models with Attention Sinks"; LM-Infinite, Han et al. 2024), training-free.
+
+A query at position i attends the first s keys (the sinks) and the last w keys, j > i - w, and
+nothing in between; both share one softmax. Positions follow StreamingLLM's positions inside its
+cache, where the sinks sit at 0 .. s-1 and the query at s + w - 1 at most:
+
+    window key j (i - j < w):    distance i - j                        (its true distance)
+    sink key j (j < s):          distance min(i, s + w - 1) - j         (key at j, query at min(i, s + w - 1))
+
+With s + w at most the trained window L, no distance exceeds s + w - 1 < L. A query at a position
+below s + w sees every earlier key at its true distance: such queries attend exactly as the
+unpatched model (bit for bit); with the defaults (s = 4, w = L - s) that is every query that has
+seen at most L tokens. Tokens outside the sinks and the window are not attended at all: text past
+the window is not retrievable.
+
+The rotary frequencies stay the trained ones. The KV cache keeps every key, before rotation (the
+mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
+token-by-token decoding give the same numbers; evicting the keys no query sees any more (the
+bounded memory of StreamingLLM) is not done here.
+
+How it runs: queries below s + w attend through the model's own backend. The others attend the
+sinks in one call (query at s + w - 1) and their window in blocks of rows, each over the keys its
+rows can see with a band mask, merged by log-sum-exp (rope_ext.attention.merge_by_lse). No [S, S]
+tensor is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.geometry import RotaryGeometry
+from rope_ext.rotation import apply_rotary, cos_sin
+
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, trained_frequencies
+
+NAME = "sink_window"
+PARAMS = {"sinks": 4, "window": None}  # 4 sinks: StreamingLLM's choice; window defaults to L - sinks
+SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
+FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
+BACKENDS = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] mask exact_rows hands them
+
+# The largest attention-score block ([B, heads, rows, keys], fp32) one window call may build.
+SCORE_BYTES = 128 << 20
+
+
+@dataclass(frozen=True)
+class SinkWindowMethod(Method):
+    """sink_window as a Method: the trained frequencies, `sinks` and `window`. Dynamic in
+    rope-ext's sense (keys are cached before rotation); the attention is `SinkWindowAttention`."""
+
+    @property
+    def rescales(self) -> bool:
+        return False
+
+    def validate(self, factor, params: dict) -> dict:
+        self.check_known(params)
+        merged = {**self.all_params, **params}
+        merged["sinks"] = as_size(merged["sinks"], f"{NAME}: sinks", minimum=0)
+        if merged["window"] is not None:
+            merged["window"] = as_size(merged["window"], f"{NAME}: window (or None for the default)")
+        refuse_schedule(NAME, merged)
+        super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
+        return merged
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+        if facts.backend not in BACKENDS:
+            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        trained, sinks = geometry.original_window, params["sinks"]
+        if sinks >= trained:
+            raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")
+        window = params["window"] or trained - sinks
+        if sinks + window > trained:
+            raise ValueError(
+                f"{NAME}: sinks + window = {sinks + window} exceeds the trained window {trained}: "
+                "distances up to sinks + window - 1 must have been trained"
+            )
+        return factor, {**params, "window": int(window)}
+
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        return [SinkWindowAttention(rotary)]
+
+
+METHOD = SinkWindowMethod(
+    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
+    # no native form: a plain reload is the unpatched model, so the config keeps its window
+    needs_attention_interface=True, keeps_config_window=True,
+)
+
+
+class SinkWindowAttention(RotateInAttention):
+    """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
+    keeps). Keys are key index = position, so the positions must be those of one unpadded sequence
+    that starts at 0 (the same in every row)."""
+
+    rotates = True
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        frame = self.rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        written = frame.k_pos.shape[-1]
+        if written < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
+        self.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
+        first_key = written - kv_len
+        layout, trained = self.rotary.geometry.layout, self.rotary.geometry.original_window
+
+        def true_positions(x, keys, start, stop):  # x[:, :, start:stop] at its own positions
+            shift = first_key if keys else 0  # frame.k_pos also holds keys the cache no longer returns
+            cos, sin = frame.rotation(trained, keys, start + shift, stop + shift, x.dtype)
+            return apply_rotary(x[:, :, start:stop], cos, sin, layout)
+
+        sinks, window = self.rotary.params["sinks"], self.rotary.params["window"]
+        span = sinks + window
+        offset = kv_len - q_len  # query row r is key index (and position) offset + r
+        exact = min(q_len, max(0, span - offset))  # rows at positions below sinks + window
+        outputs = []
+        if exact:
+            q_own, k_own = true_positions(query, False, 0, exact), true_positions(key, True, 0, offset + exact)
+            outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
+        if exact < q_len:
+            scaling = kwargs.get("scaling")
+            q_own = true_positions(query, False, exact, q_len)
+            lo_key = offset + exact - window + 1  # the first window key of row `exact`, past the sinks
+            k_window, v_window = true_positions(key, True, lo_key, kv_len), value[:, :, lo_key:]
+            if sinks:
+                inv_freq, scale = frame.angles(trained)
+                cos, sin = cos_sin(inv_freq, scale, frame.q_pos.new_full((1, q_len - exact), span - 1), query.dtype)
+                sink_out, sink_lse = attend_with_lse(apply_rotary(query[:, :, exact:], cos, sin, layout),
+                                                     true_positions(key, True, 0, sinks), value[:, :, :sinks], scale=scaling)
+            batch, heads = query.shape[:2]
+            block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
+            for lo in range(0, q_len - exact, block):
+                hi = min(lo + block, q_len - exact)
+                # row lo + r sees window keys lo + r .. lo + r + window - 1 of k_window
+                band = torch.arange(hi - lo + window - 1, device=query.device)[None, :] - torch.arange(hi - lo, device=query.device)[:, None]
+                mask = torch.zeros(band.shape, dtype=query.dtype, device=query.device)
+                mask = mask.masked_fill_((band < 0) | (band >= window), torch.finfo(query.dtype).min)[None, None]
+                keys = slice(lo, hi + window - 1)
+                out, lse = attend_with_lse(q_own[:, :, lo:hi], k_window[:, :, keys], v_window[:, :, keys], mask=mask, scale=scaling)
+                parts = [(out, lse, None)]
+                if sinks:
+                    parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
+                outputs.append(merge_by_lse(parts).transpose(1, 2))
+        return torch.cat(outputs, dim=1), None

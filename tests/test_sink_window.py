@@ -1,0 +1,151 @@
+"""sink_window: local attention with attention sinks (rope_ext.method.sink_window), against its
+definition written out with full [S, S] matrices, and on the tiny trained model."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import rope_ext
+from rope_ext.attention import AttentionTransform
+
+from helpers import WINDOW, random_model
+from test_dca import ids, set_chain
+from test_self_extend import rotate
+
+
+class NaiveSinkWindow(AttentionTransform):
+    """The definition with full matrices, for one unpadded sequence: a query at i sees keys j < s
+    (query at min(i, s + w - 1), key at j) and keys i - w < j <= i (positions i and j), nothing else."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+
+    def __call__(self, module, query, key, value, attention_mask, attend, scaling=None, **kwargs):
+        frame, geometry, params = self.rotary.frame, self.rotary.geometry, self.rotary.params
+        i, j = frame.q_pos[0], frame.k_pos[0]
+        s, w, dim = params["sinks"], params["window"], geometry.rotary_dim
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+
+        def scores(q_positions, k_positions):
+            return rotate(query, q_positions, geometry.base, dim) @ rotate(key, k_positions, geometry.base, dim).transpose(-1, -2)
+
+        sink = (j < s)[None, :]
+        chosen = torch.where(sink, scores(torch.clamp(i, max=s + w - 1), j), scores(i, j)) * scaling
+        distance = i[:, None] - j[None, :]
+        visible = (distance >= 0) & (sink | (distance < w))
+        chosen = chosen.masked_fill(~visible, float("-inf"))
+        return (chosen.softmax(-1) @ value).transpose(1, 2), None
+
+
+@pytest.mark.parametrize("params", [{}, {"sinks": 0}, {"sinks": 2, "window": 20}, {"sinks": 7, "window": 1}])
+def test_matches_the_definition(params):
+    model = random_model("qwen2")
+    rope_ext.patch(model, "sink_window", factor=4, **params)
+    x = ids(4 * WINDOW)
+    with torch.no_grad():
+        ours = model(x).logits
+        set_chain(model, [NaiveSinkWindow(model.model.rotary_emb)])
+        naive = model(x).logits
+    assert (ours - naive).abs().max() < 1e-5
+
+
+def test_defaults_fill_the_trained_window():
+    info = rope_ext.patch(random_model(), "sink_window", factor=4)
+    assert (info.params["sinks"], info.params["window"], info.max_length) == (4, WINDOW - 4, 4 * WINDOW)
+
+
+def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, heldout_ids):
+    x = heldout_ids[None, :384]
+    with torch.no_grad():
+        plain = tiny_model(x).logits
+        rope_ext.patch(tiny_model, "sink_window", factor=4)
+        patched = tiny_model(x).logits
+    window = tiny_model.config.max_position_embeddings
+    assert torch.equal(patched[:, :window], plain[:, :window])
+    assert not torch.allclose(patched[:, window:], plain[:, window:])
+
+
+@pytest.mark.parametrize("params", [{}, {"sinks": 2, "window": 50}])
+def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids, params):
+    x = heldout_ids[None, :400]
+    rope_ext.patch(tiny_model, "sink_window", factor=4, **params)
+    with torch.no_grad():
+        full = tiny_model(x).logits
+        hidden, _ = rope_ext.chunked_forward(tiny_model, x, chunk_size=37)
+        chunked = tiny_model.lm_head(hidden)
+        cache, steps = DynamicCache(config=tiny_model.config), []
+        for t in range(x.shape[1]):
+            steps.append(tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits)
+    assert (chunked - full).abs().max() <= 1e-4
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4
+
+
+def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):
+    from transformers import LlamaForCausalLM
+
+    x = torch.stack([heldout_ids[s : s + 513] for s in range(0, 8 * 513, 513)])
+    window = 128
+
+    def ppl_past_window(method):
+        model = LlamaForCausalLM.from_pretrained(tiny_path).eval()
+        if method != "plain":
+            rope_ext.patch(model, method, factor=4)
+        with torch.no_grad():
+            nll = [F.cross_entropy(model(row[None, :-1]).logits[0, window:], row[window + 1 :]) for row in x]
+        return math.exp(torch.stack(nll).mean().item())
+
+    assert ppl_past_window("sink_window") < 0.9 * ppl_past_window("plain")
+
+
+def test_save_and_reload_reproduce_the_patch(tmp_path):
+    model = random_model()
+    rope_ext.patch(model, "sink_window", factor=4, sinks=2, window=30)
+    x = ids(3 * WINDOW)
+    model.save_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, model(x).logits)
+    params = rope_ext.describe(reloaded)["params"]
+    assert (params["sinks"], params["window"]) == (2, 30)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sinks": WINDOW}, "sinks must be below the trained window"),
+        ({"window": WINDOW}, "exceeds the trained window"),
+        ({"sinks": -1}, "sinks must be an int"),
+        ({"window": 1.5}, "window .* must be an int"),
+        ({"sinks": True}, "sinks must be an int"),
+        ({"causal": False}, "do not apply"),
+        ({}, "needs a factor"),
+    ],
+)
+def test_bad_parameters_change_nothing(kwargs, message):
+    model = random_model()
+    x = ids(2 * WINDOW)
+    with torch.no_grad():
+        before = model(x).logits
+    with pytest.raises(ValueError, match=message):
+        rope_ext.patch(model, "sink_window", **({} if message == "needs a factor" else {"factor": 4}), **kwargs)
+    assert rope_ext.describe(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
+def test_refuses_other_backends_and_padded_batches():
+    model = random_model()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="eager or sdpa"):
+        rope_ext.patch(model, "sink_window", factor=4)
+    model = random_model()
+    rope_ext.patch(model, "sink_window", factor=4)
+    x = ids(2 * WINDOW).expand(2, -1)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
+        model(x, attention_mask=mask)
