@@ -16,6 +16,10 @@ def check_parallelism(cfg: dict, cp_size: int) -> None:
             raise ConfigError("context parallelism supports static methods with full attention only (no dynamic method, no s2_groups)")
         if cfg["model"]["attn_implementation"] != "sdpa":
             raise ConfigError("context parallelism needs model.attn_implementation: sdpa")
+        if cfg["training"]["pose"]:
+            raise ConfigError("training.pose cannot run under context parallelism: PoSE's skipped position ids go with an "
+                              "attention mask (so that transformers does not cut attention at the skip) that context "
+                              "parallelism does not shard; PoSE trains at the original window, which needs no sequence sharding")
 
 
 def length_multiple(cfg: dict, cp_size: int) -> tuple[int, list[str]]:
@@ -43,6 +47,14 @@ def check_length(cfg: dict, seq_len: int, max_length: int, cp_size: int) -> None
         raise ConfigError(
             f"the training length {seq_len} is not a multiple of {multiple}: {'; '.join(reasons)}. "
             f"Use --seq-len {lower or upper}" + (f" or {upper}" if lower and upper <= max_length else "")
+        )
+
+
+def check_pose_length(seq_len: int, original_window: int) -> None:
+    if seq_len > original_window:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is longer than the original window {original_window}: PoSE (training.pose) "
+            f"trains at the original window or shorter; use --seq-len {original_window} or less"
         )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 import rope_ext
+import rope_ext.method
 from rope_ext.evals.loading import parse_params
 
 # Every key the YAML may set, with its default. Unknown keys are an error (a typo must not be
@@ -38,7 +39,7 @@ DEFAULTS: dict = {
         "exclude": [],  # document names kept out of training
         "split": "train",
         "text_field": "text",
-        "seq_len": None,  # default: the patched window, original_window * factor
+        "seq_len": None,  # default: the patched window, original_window * factor (the original window with training.pose)
     },
     "training": {
         "seed": 0,
@@ -54,6 +55,7 @@ DEFAULTS: dict = {
         # where unsupported) on GPU, fp32 on CPU; no, bf16, fp16 as accelerate names them
         "precision": None,
         "s2_groups": 0,  # LongLoRA shifted sparse attention with this many groups (0: full attention)
+        "pose": False,  # PoSE: train at data.seq_len <= the original window with position ids that skip up to the patched window
     },
     "eval": {
         "every": 0,  # perplexity at the target length every N steps (and before/after training); 0: off
@@ -95,7 +97,7 @@ FLAGS = [
     ("--exclude", "data.exclude", _csv, "comma-separated document names kept out of training"),
     ("--dataset-split", "data.split", str, "datasets split"),
     ("--text-field", "data.text_field", str, "datasets text column"),
-    ("--seq-len", "data.seq_len", int, "training sequence length (default: the patched window)"),
+    ("--seq-len", "data.seq_len", int, "training sequence length (default: the patched window; the original window with --pose)"),
     ("--max-steps", "training.max_steps", int, "optimizer steps"),
     ("--batch-size", "training.batch_size", int, "sequences per device per micro-step"),
     ("--grad-accum", "training.grad_accum", int, "micro-steps per optimizer step"),
@@ -106,6 +108,7 @@ FLAGS = [
     ("--gradient-checkpointing", "training.gradient_checkpointing", bool, "recompute activations in backward"),
     ("--precision", "training.precision", str, "auto | no | bf16 | fp16 (unset: accelerate's own setting)"),
     ("--s2-groups", "training.s2_groups", int, "LongLoRA shifted sparse attention groups (0: off)"),
+    ("--pose", "training.pose", bool, "PoSE positional skip-wise training: short sequences, position ids up to the patched window"),
     ("--seed", "training.seed", int, "seed for LoRA init, data order and dropout"),
     ("--eval-every", "eval.every", int, "perplexity eval at the target length every N steps (0: off)"),
     ("--eval-source", "eval.source", str, "held-out text: gutenberg | text/JSONL file or folder | datasets id (clears eval.include)"),
@@ -233,6 +236,33 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
     if cfg["training"]["s2_groups"] and known[method]["dynamic"]:
         raise ConfigError(f"shifted sparse attention (training.s2_groups) cannot be combined with the dynamic method {method!r}")
+    if cfg["training"]["pose"]:
+        check_pose_method(cfg)
+        if cfg["training"]["s2_groups"]:
+            raise ConfigError("training.pose cannot be combined with training.s2_groups: PoSE trains at the original window "
+                              "with full attention, shifted sparse attention at the extended one; use one of them")
+
+
+def pose_refusal(spec) -> str | None:
+    """Why PoSE cannot train the (bound) method `spec`, or None: PoSE needs frequencies that are
+    fixed and a rotation by the position ids alone."""
+    if spec.dynamic:
+        return "what a query sees depends on the length it has seen, which skipped position ids misstate"
+    if spec.needs_attention_interface:
+        return "it acts inside attention on token distances, which PoSE's skipped position ids do not reach"
+    return None
+
+
+def check_pose_method(cfg: dict) -> None:
+    name = cfg["patch"]["method"]
+    try:
+        spec = rope_ext.method.get(name, cfg["patch"]["params"])
+    except ValueError as err:
+        raise ConfigError(f"rope_ext.patch: {err}") from None
+    reason = pose_refusal(spec)
+    if reason:
+        static = ", ".join(n for n, m in rope_ext.method.REGISTRY.items() if pose_refusal(m) is None)
+        raise ConfigError(f"training.pose cannot train the method {name!r}: {reason}; PoSE trains the static methods: {static}")
 
 
 def config_digest(cfg: dict) -> str:

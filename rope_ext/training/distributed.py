@@ -72,19 +72,25 @@ def prepare(accelerator, model, optimizer, scheduler, batch_size: int):
 
 
 def train_step(accelerator, model, optimizer, scheduler, batches, run: dict, cp_size: int) -> float:
-    """One optimizer step over `batches`, the run["grad_accum"] micro-batches of [batch_size,
-    seq_len + 1] tokens of this rank; returns the step's loss averaged over the ranks."""
+    """One optimizer step over `batches`, the run["grad_accum"] micro-batches of this rank: each
+    [batch_size, seq_len + 1] tokens with their [batch_size, seq_len] position ids, or None for
+    0..seq_len-1; returns the step's loss averaged over the ranks."""
     step_loss = torch.zeros((), device=accelerator.device)
-    for batch in batches:
+    for batch, positions in batches:
         batch = batch.to(accelerator.device)
         inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        positions = torch.arange(inputs.shape[1], device=accelerator.device)[None].expand(len(inputs), -1).clone()
+        if positions is None:
+            mask, positions = None, torch.arange(inputs.shape[1], device=accelerator.device)[None].expand(len(inputs), -1).clone()
+        else:
+            # Without a mask transformers reads a jump in the position ids as the start of another
+            # packed document and stops attention there; an all-ones mask keeps one causal sequence.
+            mask, positions = torch.ones_like(inputs), positions.to(accelerator.device)
         # Context parallelism shards the sequence of every buffer in place (a no-op without it).
         split = accelerator.maybe_context_parallel(
             buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 1], no_restore_buffers={inputs, labels, positions}
         ) if cp_size > 1 else contextlib.nullcontext()
         with accelerator.accumulate(model), split:
-            logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+            logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             accelerator.backward(loss)
             if accelerator.sync_gradients and run["grad_clip"]:

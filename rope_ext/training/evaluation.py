@@ -1,4 +1,5 @@
-"""The fine-tune's evaluation: held-out perplexity at the training length, with full attention."""
+"""The fine-tune's evaluation: held-out perplexity at the patched window (the training length, or
+under PoSE the length the skipped positions reach), with full attention."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from .s2_attention import AttentionSwitch
 
 
 def evaluate(model, documents: list, seq_len: int) -> dict:
-    """Perplexity at the training length (rope_ext.evals.perplexity, non-overlapping windows)."""
+    """Perplexity at `seq_len` tokens (rope_ext.evals.perplexity, non-overlapping windows)."""
     was_training = model.training
     model.eval()
     # FSDP2 keeps the root module's parameters (embeddings, final norm, LM head) sharded outside

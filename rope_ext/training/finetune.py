@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from .checkpoints import checkpoint_to_resume, save_checkpoint, start_or_resume
-from .checks import check_eval_documents, check_length, check_parallelism, check_sequences
+from .checks import check_eval_documents, check_length, check_parallelism, check_pose_length, check_sequences
 from .config import config_digest, parse_args
 from .data import first_tokens, load_documents, pack, token_stream
 from .distributed import context_parallel_size, data_parallel_rank, make_accelerator, prepare, replica_digests, train_step
@@ -21,6 +21,7 @@ from .model import load_patched, lora_model, lora_targets, resolve_model
 from .optim import adamw_cosine
 from .order import DataOrder
 from .outputs import save_adapter, write_outputs
+from .pose import SkipPositions
 from .progress import Progress
 from .s2_attention import AttentionSwitch
 
@@ -42,8 +43,13 @@ def train(cfg: dict, resume: str | None) -> dict:
     with accelerator.main_process_first():
         model_path, base_record = resolve_model(cfg["model"]["path"])
     tokenizer, model, info = load_patched(model_path, cfg)
-    seq_len = cfg["data"]["seq_len"] or info.max_length
+    # PoSE trains at the original window and evaluates at the patched one it stretches to
+    pose = run["pose"]
+    seq_len = cfg["data"]["seq_len"] or (info.original_window if pose else info.max_length)
+    eval_len = info.max_length if pose else seq_len
     check_length(cfg, seq_len, info.max_length, cp_size)
+    if pose:
+        check_pose_length(seq_len, info.original_window)
     with accelerator.main_process_first():  # the first rank fills the token cache for the others
         train_docs = load_documents(cfg["data"], "exclude", tokenizer)
         eval_docs = load_documents(cfg["eval"], "include", tokenizer) if cfg["eval"]["every"] else None
@@ -51,7 +57,7 @@ def train(cfg: dict, resume: str | None) -> dict:
     check_sequences(sequences, seq_len, run["batch_size"], dp_size)
     if eval_docs is not None:
         eval_docs = first_tokens(eval_docs, cfg["eval"]["max_tokens"])
-        check_eval_documents(eval_docs, seq_len, cfg["eval"]["max_tokens"])
+        check_eval_documents(eval_docs, eval_len, cfg["eval"]["max_tokens"])
     targets = lora_targets(model, cfg["lora"]["target_modules"])
 
     # ---- model
@@ -68,7 +74,8 @@ def train(cfg: dict, resume: str | None) -> dict:
     # ---- training
     order = DataOrder(len(sequences), run["seed"], run["batch_size"], run["grad_accum"], dp_size)
     tokens_per_step = run["batch_size"] * seq_len * run["grad_accum"] * dp_size
-    held_out = HeldOut(accelerator, model, eval_docs, seq_len, attention, evals) if eval_docs is not None else None
+    positions = SkipPositions(seq_len, info.max_length, run["seed"]) if pose else None
+    held_out = HeldOut(accelerator, model, eval_docs, eval_len, attention, evals) if eval_docs is not None else None
     if held_out is not None and start == 0:
         held_out(0)  # before the clock starts
     model.train()
@@ -76,7 +83,8 @@ def train(cfg: dict, resume: str | None) -> dict:
                         desc=f"{info.method} x{info.factor:g} @ {seq_len} ({n_trainable / 1e6:.2f}M of {n_total / 1e6:.1f}M trainable)")
     losses = RecentLoss()
     for step in range(start, run["max_steps"]):
-        batches = (sequences[order.indices(step, micro, dp_rank)] for micro in range(run["grad_accum"]))
+        batches = ((sequences[order.indices(step, micro, dp_rank)],
+                    positions(order.samples(step, micro, dp_rank)) if pose else None) for micro in range(run["grad_accum"]))
         losses.add(train_step(accelerator, model, optimizer, scheduler, batches, run, cp_size))
         done = step + 1
         progress.step(done, losses.mean, scheduler.get_last_lr()[0])

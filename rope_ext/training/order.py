@@ -20,6 +20,10 @@ class DataOrder:
             self._perms = {epoch: torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))}
         return self._perms[epoch]
 
-    def indices(self, step: int, micro: int, rank: int) -> list[int]:
+    def samples(self, step: int, micro: int, rank: int) -> range:
+        """The places in the run's sequence of samples that the rows of this micro-batch fill."""
         first = ((step * self.grad_accum + micro) * self.world + rank) * self.batch_size
-        return [int(self._perm(k // self.n)[k % self.n]) for k in range(first, first + self.batch_size)]
+        return range(first, first + self.batch_size)
+
+    def indices(self, step: int, micro: int, rank: int) -> list[int]:
+        return [int(self._perm(k // self.n)[k % self.n]) for k in self.samples(step, micro, rank)]
