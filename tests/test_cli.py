@@ -60,6 +60,15 @@ def test_help_imports_only_the_command_it_describes():
     assert not {"rope_ext.evals.compare", "rope_ext.evals.passkey", "rope_ext.patches.chatglm.convert", "rope_ext.demo"} & set(imported)
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_top_level_help_and_version_start_without_torch(argv):
+    code = ("import sys\nfrom rope_ext import cli\n"
+            f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False False"
+
+
 def test_no_progress_quiets_transformers_too(tmp_path, monkeypatch):
     def fails(*args, **kwargs):
         raise ValueError("stop here")
