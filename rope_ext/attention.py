@@ -22,7 +22,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils.generic import is_flash_attention_requested
 
-from .rotation import apply_rotary
+from .rotation import apply_rotary, cos_sin
 
 PREFIX = "rope_ext_"
 
@@ -214,6 +214,18 @@ class RotateInAttention(AttentionTransform):
             chosen = (lengths[:, lo:hi] == length)[..., None, None]
             out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
         return out, None
+
+    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies."""
+        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+
+    def key_positions(self, kv_len: int) -> torch.Tensor:
+        """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
+        k_pos = self.rotary.frame.k_pos
+        if k_pos.shape[-1] < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
+        return k_pos[..., -kv_len:]
 
     def one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool = False) -> int:
         """The position of the first of the kv_len keys, after checking that the positions are

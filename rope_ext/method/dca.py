@@ -36,7 +36,6 @@ import torch
 
 from rope_ext.attention import RotateInAttention, attend_with_lse, causal_mask, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotation import apply_rotary, cos_sin
 
 from .base import SCHEDULE_PARAMS, Method, ModelFacts, refuse_schedule, trained_frequencies
 
@@ -101,18 +100,12 @@ class DualChunkAttention(RotateInAttention):
 
     rotates = True
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
-        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
-
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         rotary = self.rotary
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        if frame.k_pos.shape[-1] < kv_len:
-            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {frame.k_pos.shape[-1]}")
+        k_pos, q_pos = self.key_positions(kv_len), frame.q_pos
         first = self.one_sequence(attention_mask, kv_len, q_len, NAME)
-        k_pos, q_pos = frame.k_pos[..., -kv_len:], frame.q_pos
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
         inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
@@ -121,12 +114,12 @@ class DualChunkAttention(RotateInAttention):
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self._rotate(query[:, :, :exact], positions[:, :exact], inv_freq, scale)
-            k_own = self._rotate(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale)
+            q_own = self.rotate_to(query[:, :, :exact], positions[:, :exact], inv_freq, scale)
+            k_own = self.rotate_to(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale)
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            keys = self._rotate(key, k_pos[:1] % span, inv_freq, scale)  # every key at its place in its chunk
+            keys = self.rotate_to(key, k_pos[:1] % span, inv_freq, scale)  # every key at its place in its chunk
             rows = positions[0, exact:]
             chunks = torch.div(rows, span, rounding_mode="floor")
             for n in torch.unique_consecutive(chunks).tolist():
@@ -141,7 +134,7 @@ class DualChunkAttention(RotateInAttention):
         start = n * span - first  # key index where chunk n begins
         end = int(positions[0, -1]) + 1 - first
         within = positions % span
-        q_intra = self._rotate(query, within, inv_freq, scale)
+        q_intra = self.rotate_to(query, within, inv_freq, scale)
         rows, length = query.shape[-2], end - start
         square = int(positions[0, 0]) - first == start  # the rows begin at the chunk's first token
         mask = None if square else causal_mask(length - rows, rows, length, query.dtype, query.device)
@@ -149,11 +142,11 @@ class DualChunkAttention(RotateInAttention):
         parts = [(out, lse, None)]
         previous = max(0, start - span)
         if start > previous:
-            q_succ = self._rotate(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)
+            q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)
             out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
             parts.append((out, lse, None))
         if previous > 0:
-            q_inter = self._rotate(query, torch.full_like(positions, chunk - 1), inv_freq, scale)
+            q_inter = self.rotate_to(query, torch.full_like(positions, chunk - 1), inv_freq, scale)
             out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
             parts.append((out, lse, None))
         return merge_by_lse(parts)

@@ -37,7 +37,6 @@ import torch
 
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotation import apply_rotary, cos_sin
 
 from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, trained_frequencies
 
@@ -133,31 +132,24 @@ class GroupedAttention(RotateInAttention):
 
     rotates = True
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
-        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
-
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         rotary = self.rotary
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        k_pos = frame.k_pos
-        if k_pos.shape[-1] < kv_len:
-            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
-        k_pos = k_pos[..., -kv_len:]
+        k_pos = self.key_positions(kv_len)
         trained = rotary.geometry.original_window
         group, window = rotary.params["group"], rotary.params["window"]
         inv_freq, scale = frame.angles(trained)  # the trained frequencies
-        q_own = self._rotate(query, frame.q_pos, inv_freq, scale)
-        k_own = self._rotate(key, k_pos, inv_freq, scale)
+        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
+        k_own = self.rotate_to(key, k_pos, inv_freq, scale)
         extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
         if not bool(extended.any()):
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
         first = int(extended.any(0).nonzero()[0])
-        q_group = self._rotate(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
-        k_group = self._rotate(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        q_group = self.rotate_to(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
+        k_group = self.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))

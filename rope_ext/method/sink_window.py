@@ -101,11 +101,9 @@ class SinkWindowAttention(RotateInAttention):
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         frame = self.rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        written = frame.k_pos.shape[-1]
-        if written < kv_len:
-            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
+        self.key_positions(kv_len)
         self.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
-        first_key = written - kv_len
+        first_key = frame.k_pos.shape[-1] - kv_len
         layout, trained = self.rotary.geometry.layout, self.rotary.geometry.original_window
 
         def true_positions(x, keys, start, stop):  # x[:, :, start:stop] at its own positions
