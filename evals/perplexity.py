@@ -333,10 +333,10 @@ def run(args: argparse.Namespace, plan) -> int:
     out.write_json("ppl.json", {"setup": setup, "lengths": {str(n): r for n, r in results.items()}, "provenance": record})
     text = markdown(results, setup) + "\n" + output.provenance_line(record)
     out.write_text("ppl.md", text)
-    from .plots import bucket_plot
+    from .plots import bucket_plot, model_name
 
     label = setup["method"] + (f" x{setup['factor']:g}" if setup["factor"] else "")
-    out.save_figure("ppl.png", bucket_plot(results, title=f"{setup['model']}, {label}: PPL by position",
+    out.save_figure("ppl.png", bucket_plot(results, title=f"{model_name(setup['model'])}, {label}: PPL by position",
                                            window=setup["patch"]["original_window"] if setup["patch"] else setup["capacity"]))
     print(text)
     print(f"results in {out.folder}")
