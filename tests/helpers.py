@@ -71,3 +71,40 @@ def token_nll(model, sequences: torch.LongTensor) -> torch.Tensor:
 
 def ppl(nll: torch.Tensor) -> float:
     return math.exp(nll.mean().item())
+
+
+def assert_refused_unchanged(method: str, kwargs: dict, message: str) -> None:
+    """rope_ext.patch(random model, method, **kwargs) raises a ValueError matching `message` and
+    leaves the model's logits and patch state as they were."""
+    import pytest
+
+    import rope_ext
+
+    model = random_model()
+    x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(x).logits
+    with pytest.raises(ValueError, match=message):
+        rope_ext.patch(model, method, **kwargs)
+    assert rope_ext.describe(model) is None
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)
+
+
+def assert_refuses_other_backends_and_padding(method: str) -> None:
+    """`method` refuses a backend other than eager/sdpa at patch time, and a padded batch when run."""
+    import pytest
+
+    import rope_ext
+
+    model = random_model()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="eager or sdpa"):
+        rope_ext.patch(model, method, factor=4)
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0)).expand(2, -1)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
+        model(x, attention_mask=mask)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 import rope_ext
 from rope_ext.attention import AttentionTransform
 
-from helpers import WINDOW, random_model
+from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, random_model
 from test_dca import ids, set_chain
 from test_self_extend import rotate
 
@@ -126,26 +126,8 @@ def test_save_and_reload_reproduce_the_patch(tmp_path):
     ],
 )
 def test_bad_parameters_change_nothing(kwargs, message):
-    model = random_model()
-    x = ids(2 * WINDOW)
-    with torch.no_grad():
-        before = model(x).logits
-    with pytest.raises(ValueError, match=message):
-        rope_ext.patch(model, "sink_window", **({} if message == "needs a factor" else {"factor": 4}), **kwargs)
-    assert rope_ext.describe(model) is None
-    with torch.no_grad():
-        assert torch.equal(model(x).logits, before)
+    assert_refused_unchanged("sink_window", {**({} if message == "needs a factor" else {"factor": 4}), **kwargs}, message)
 
 
 def test_refuses_other_backends_and_padded_batches():
-    model = random_model()
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="eager or sdpa"):
-        rope_ext.patch(model, "sink_window", factor=4)
-    model = random_model()
-    rope_ext.patch(model, "sink_window", factor=4)
-    x = ids(2 * WINDOW).expand(2, -1)
-    mask = torch.ones_like(x)
-    mask[1, :5] = 0
-    with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
-        model(x, attention_mask=mask)
+    assert_refuses_other_backends_and_padding("sink_window")
