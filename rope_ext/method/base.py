@@ -199,3 +199,9 @@ def refuse_schedule(name: str, params: dict) -> None:
             f"{name}: causal and granularity do not apply (every query's positions follow from its own "
             f"position); got causal={params['causal']!r}, granularity={params['granularity']!r}"
         )
+
+
+def require_backend(name: str, facts: ModelFacts, backends: tuple[str, ...]) -> None:
+    """ValueError unless the model's attention backend is one the method runs on."""
+    if facts.backend not in backends:
+        raise ValueError(f"{name} runs on the {' or '.join(backends)} attention backend, not {facts.backend!r}")

@@ -37,7 +37,7 @@ import torch
 from rope_ext.attention import RotateInAttention, attend_with_lse, causal_mask, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, refuse_schedule, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, require_backend, trained_frequencies
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
@@ -61,16 +61,14 @@ class DualChunkMethod(Method):
         self.check_known(params)
         merged = {**self.all_params, **params}
         for key in PARAMS:
-            value = merged[key]
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{NAME}: {key} must be an int >= 1 (or None for the default), got {value!r}")
+            if merged[key] is not None:
+                merged[key] = as_size(merged[key], f"{NAME}: {key} (or None for the default)")
         refuse_schedule(NAME, merged)
         super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
-        if facts.backend not in BACKENDS:
-            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        require_backend(NAME, facts, BACKENDS)
         trained = geometry.original_window
         stated = facts.config.get(CONFIG_KEY) or {}
         chunk = params["chunk_size"] or stated.get("chunk_size") or trained

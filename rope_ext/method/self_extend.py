@@ -38,7 +38,7 @@ import torch
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, require_backend, trained_frequencies
 
 NAME = "self_extend"
 PARAMS = {"group": None, "window": None}
@@ -90,8 +90,7 @@ class SelfExtendMethod(Method):
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with group and window filled in) for this model; ValueError, changing
         nothing, when they do not fit its window or the model cannot run the grouped attention."""
-        if facts.backend not in BACKENDS:
-            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        require_backend(NAME, facts, BACKENDS)
         trained = geometry.original_window
         window = params["window"] if params["window"] is not None else max(1, trained // 4)
         if window >= trained:

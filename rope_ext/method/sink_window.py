@@ -35,7 +35,7 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, require_backend, trained_frequencies
 
 NAME = "sink_window"
 PARAMS = {"sinks": 4, "window": None}  # 4 sinks: StreamingLLM's choice; window defaults to L - sinks
@@ -67,8 +67,7 @@ class SinkWindowMethod(Method):
         return merged
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
-        if facts.backend not in BACKENDS:
-            raise ValueError(f"{NAME} runs on the {' or '.join(BACKENDS)} attention backend, not {facts.backend!r}")
+        require_backend(NAME, facts, BACKENDS)
         trained, sinks = geometry.original_window, params["sinks"]
         if sinks >= trained:
             raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")
