@@ -25,6 +25,10 @@ def add_model_arguments(parser, *, method: bool = True) -> None:
     group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype (default: float32)")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
+    group.add_argument("--chunk-size", type=int, default=None, metavar="N",
+                       help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
+                            "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
+                            "(default: one forward per input)")
     if method:
         names = ", ".join([PLAIN, *rope_ext.methods()])
         group.add_argument("--method", default=PLAIN, help=f"one of: {names} (default: plain = unpatched)")
@@ -179,7 +183,7 @@ def model_label(model) -> str:
     return Path(name).name if Path(name).is_absolute() else name
 
 
-def describe_setup(model, info, method: str, params: dict) -> dict:
+def describe_setup(model, info, method: str, params: dict, chunk_size: int | None = None) -> dict:
     """The model-and-method record every result file carries."""
     limit, why = capacity(model)
     return {
@@ -191,6 +195,7 @@ def describe_setup(model, info, method: str, params: dict) -> dict:
         "capacity": limit,
         "capacity_note": why,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "chunk_size": chunk_size,
     }
 
 
@@ -201,6 +206,8 @@ def check_model_args(args) -> dict:
     check_method(args.method, args.factor, params)
     if args.original_window is not None:
         as_size(args.original_window, "--original-window")
+    if args.chunk_size is not None:
+        as_size(args.chunk_size, "--chunk-size")
     check_model(args.model, args.device)
     return params
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from rope_ext.chunked import chunked_generate
+
 from . import loading, output
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -87,8 +89,9 @@ def first_integer(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
-def model_answerer(model, tokenizer, max_new_tokens: int = 10):
-    """answer(prompt) -> the model's greedy continuation, decoded."""
+def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int | None = None):
+    """answer(prompt) -> the model's greedy continuation, decoded. With `chunk_size` the prompt is
+    prefilled through the KV cache that many tokens at a time (rope_ext.chunked_generate)."""
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -99,7 +102,10 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10):
     @torch.inference_mode()
     def answer(prompt: Prompt) -> str:
         ids = torch.tensor([prompt.ids], device=device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        if chunk_size is None:
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        else:
+            out = chunked_generate(model, ids, chunk_size, attention_mask=torch.ones_like(ids), generation_config=config)
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     return answer
@@ -210,9 +216,9 @@ def run(args: argparse.Namespace, plan) -> int:
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
     record = output.provenance(model, args.model)
     started = time.perf_counter()
-    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens), tokenizer, lengths, args.depths,
+    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size), tokenizer, lengths, args.depths,
                         args.trials, args.seed, args.limit, progress=not args.no_progress)
-    setup = {**loading.describe_setup(model, info, args.method, params), "trials": args.trials, "seed": args.seed,
+    setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 2)}
     out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
     text = markdown(result, setup) + "\n" + output.provenance_line(record)

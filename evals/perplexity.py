@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from rope_ext.chunked import token_nll
+from rope_ext.chunked import chunked_forward, token_nll
 
 from . import data as data_mod
 from . import loading, output
@@ -89,14 +89,42 @@ class TokenScorer:
         self.decoder = model.get_decoder()
         self.device = model.get_output_embeddings().weight.device
 
-    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [T, H] for one sequence of token ids [T]."""
-        out = self.decoder(input_ids=ids[None].to(self.device), use_cache=False)
+    def hidden(self, ids: torch.Tensor, advance=None) -> torch.Tensor:
+        """Final hidden states [T, H] for one sequence of token ids [T]. `advance(tokens)` is
+        called as each decoder layer finishes, with its share of the T tokens, so a progress bar
+        moves during one long forward."""
+        layers = list(getattr(self.decoder, "layers", ())) if advance is not None else []
+        shares = [len(ids) * (k + 1) // len(layers) - len(ids) * k // len(layers) for k in range(len(layers))]
+        hooks = [layer.register_forward_hook(lambda *_, n=n: advance(n)) for layer, n in zip(layers, shares)]
+        try:
+            out = self.decoder(input_ids=ids[None].to(self.device), use_cache=False)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if advance is not None and not layers:
+            advance(len(ids))
         return out.last_hidden_state[0]
 
     def nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """-log p(target) for each row, float64 on the CPU."""
         return token_nll(self.model, hidden, targets)
+
+    def scored(self, ids: torch.Tensor, rows: torch.Tensor, chunk_size: int | None, advance) -> torch.Tensor:
+        """-log p(ids[r + 1]) for each of the sorted `rows` of one forward over ids [T]: in one
+        forward, or `chunk_size` tokens at a time through the KV cache (rope_ext.chunked), each
+        chunk's rows scored and its hidden states let go. `advance(tokens)` reports progress."""
+        if chunk_size is None:
+            hidden = self.hidden(ids, advance)
+            return self.nll(hidden[rows.to(hidden.device)], ids[rows + 1])
+        parts = []
+
+        def score(start: int, hidden: torch.Tensor) -> None:
+            mine = rows[(rows >= start) & (rows < start + hidden.shape[1])]
+            parts.append(self.nll(hidden[0, (mine - start).to(hidden.device)], ids[mine + 1]))
+            advance(hidden.shape[1])
+
+        chunked_forward(self.model, ids, chunk_size, keep_hidden=False, on_chunk=score)
+        return torch.cat(parts)
 
 
 @dataclass
@@ -157,7 +185,8 @@ def bos_token(tokenizer, bos: bool | None) -> tuple[bool, int | None]:
 
 @torch.inference_mode()
 def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool = False, bos_id: int | None = None,
-             truncate: bool = False, bucket: int | None = None, share: bool | None = None, progress: bool = True) -> dict:
+             truncate: bool = False, bucket: int | None = None, share: bool | None = None, chunk_size: int | None = None,
+             progress: bool = True) -> dict:
     """{length: summary dict} (see LengthStats.summary) for each window length.
 
     stride: tokens between window starts (default: the length itself, non-overlapping windows).
@@ -165,7 +194,9 @@ def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool 
         --truncate and docs/references.md, "Reference measurements on SmolLM2-135M" do.
     bucket: width of the position buckets (default: max length / 8).
     share: let windows that start together share a forward (default: when exact, see
-        prefix_consistent)."""
+        prefix_consistent).
+    chunk_size: run each forward through the KV cache this many tokens at a time
+        (rope_ext.chunked; bounded memory, the same numbers to rounding); None: one forward."""
     lengths = sorted(set(int(n) for n in lengths))
     if not lengths:
         raise ValueError("give at least one length")
@@ -198,19 +229,17 @@ def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool 
         ids = doc.ids[begin:end]
         if bos:
             ids = torch.cat((torch.tensor([bos_id]), ids))
-        hidden = scorer.hidden(ids)
         # row r of the forward predicts ids[r + 1]; score each needed row once
         needed = torch.zeros(len(ids), dtype=torch.bool)
         for _, w in group:
             needed[w.first - begin + offset - 1 : w.end - begin + offset - 1] = True
         rows = needed.nonzero().squeeze(1)
-        nll = scorer.nll(hidden[rows.to(hidden.device)], ids[rows + 1])
+        nll = scorer.scored(ids, rows, chunk_size, bar.update)
         where = torch.full((len(ids),), -1, dtype=torch.long)
         where[rows] = torch.arange(len(rows))
         for n, w in group:
             r = torch.arange(w.first - begin + offset - 1, w.end - begin + offset - 1)
             stats[n].add(doc.name, nll[where[r]], positions=r + 1, window_positions=w.end - begin + offset)
-        bar.update(len(ids))
     bar.close()
     return {n: s.summary() for n, s in stats.items()}
 
@@ -326,8 +355,8 @@ def run(args: argparse.Namespace, plan) -> int:
     record = output.provenance(model, args.model)
     started = time.perf_counter()
     results = evaluate(model, documents, args.lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                       truncate=args.truncate, bucket=args.bucket, progress=not args.no_progress)
-    setup = {**loading.describe_setup(model, info, args.method, params), "data": args.data, "documents": len(documents),
+                       truncate=args.truncate, bucket=args.bucket, chunk_size=args.chunk_size, progress=not args.no_progress)
+    setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "data": args.data, "documents": len(documents),
              "document_tokens": sum(len(d) for d in documents), "stride": args.stride, "bos": bos,
              "truncate": args.truncate, "seconds": round(time.perf_counter() - started, 2)}
     out.write_json("ppl.json", {"setup": setup, "lengths": {str(n): r for n, r in results.items()}, "provenance": record})

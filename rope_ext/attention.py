@@ -229,16 +229,17 @@ class RotateInAttention(AttentionTransform):
 
     def one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool = False) -> int:
         """The position of the first of the kv_len keys, after checking that the positions are
-        those of one unpadded sequence (the same in every row, consecutive; from position 0 with
-        `from_zero`). Methods that choose keys by index need it: a mask that hides keys from the
-        newest query (padding, a sliding window) cannot be honoured either."""
+        those of one unpadded sequence (the same in every row, consecutive; with `from_zero`, every
+        key written since position 0, of which a cache may have let some go). Methods that choose
+        keys by index need it: a mask that hides keys from the newest query (padding, a sliding
+        window) cannot be honoured either."""
         frame = self.rotary.frame
-        k_pos, q_pos = frame.k_pos[..., -kv_len:], frame.q_pos
+        k_pos, q_pos = (frame.k_pos if from_zero else frame.k_pos[..., -kv_len:]), frame.q_pos
         first = 0 if from_zero else int(k_pos[0, 0])
-        expected = torch.arange(first, first + kv_len, device=k_pos.device)
+        expected = torch.arange(first, first + k_pos.shape[-1], device=k_pos.device)
         newest = None if attention_mask is None else attention_mask[:, :, -1, :kv_len]
         hidden = newest is not None and not bool((newest if newest.dtype == torch.bool else newest == 0).all())
-        if hidden or not (bool((k_pos == expected).all()) and bool((q_pos == expected[kv_len - q_len :]).all())):
+        if hidden or not (bool((k_pos == expected).all()) and bool((q_pos == expected[expected.numel() - q_len :]).all())):
             start = " from position 0" if from_zero else ""
             raise ValueError(
                 f"{method}: positions must be those of one unpadded sequence{start} (padded batches and sliding "

@@ -18,6 +18,10 @@ original window. That is also what keeps it fast: queries with different scaling
 separate groups, one per scaling. With the
 unpatched model or a static method, the chunks give the numbers of a single forward too (the
 cached keys carry their final rotation).
+
+The cache is the patch's own where it has one (`new_cache`): sink_window's keeps only the sinks and
+its window, so memory stays bounded and time grows linearly with the input; every other cache
+holds every key.
 """
 
 from __future__ import annotations
@@ -48,18 +52,35 @@ def _check(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return input_ids
 
 
-def _warn_slow_schedule(model, chunk_size: int) -> None:
-    """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
+def _patch(model):
+    """(method, params) of the patch on `model`, or None (unpatched, or a family rope-ext does not patch)."""
     try:
         described = describe(model)
-    except ValueError:  # a model family rope-ext does not patch: nothing to check
+    except ValueError:
+        return None
+    if described is None:
+        return None
+    return methods.get(described["method"], described["params"]), described["params"]
+
+
+def new_cache(model):
+    """The KV cache a long input goes through: the patch's own where it has one (sink_window's
+    keeps only the keys later queries see, so memory does not grow with the input), else
+    transformers' DynamicCache."""
+    patch = _patch(model)
+    cache = None if patch is None else patch[0].kv_cache(model.config, patch[1])
+    return DynamicCache(config=model.config) if cache is None else cache
+
+
+def _warn_slow_schedule(model, chunk_size: int) -> None:
+    """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
+    patch = _patch(model)
+    if patch is None or not patch[0].rescales:
         return
-    if described is None or not methods.get(described["method"], described["params"]).rescales:
-        return
-    params = described["params"]
+    method, params = patch
     if params.get("causal", True) and params["granularity"] < chunk_size:
         warnings.warn(
-            f"rope_ext: {described['method']} re-scales every {params['granularity']} token(s), so each "
+            f"rope_ext: {method.name} re-scales every {params['granularity']} token(s), so each "
             f"{chunk_size}-token chunk past the window is attended in up to {chunk_size // params['granularity']} "
             f"groups; patch with granularity={chunk_size} for one scaling per chunk",
             stacklevel=4,
@@ -74,8 +95,9 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attentio
     Returns (hidden, cache): the final hidden states [B, T, hidden] (the LM head's input; None with
     keep_hidden=False) and the KV cache holding all T tokens, ready for decoding. `attention_mask`
     [B, T] marks padding (left padding, as for generate); positions then count real tokens only.
-    `cache` continues an earlier cache filled by this model without padding. `on_chunk(start,
-    hidden_chunk)` is called after each chunk, e.g. to score it and let it go (chunked_nll)."""
+    `cache` continues an earlier cache filled by this model without padding (default: a new one,
+    `new_cache`). `on_chunk(start, hidden_chunk)` is called after each chunk, e.g. to score it and
+    let it go (chunked_nll)."""
     input_ids = _check(input_ids, chunk_size)
     batch, length = input_ids.shape
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
@@ -83,7 +105,7 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attentio
     _warn_slow_schedule(model, chunk_size)
     decoder = model.get_decoder()
     device = model.get_input_embeddings().weight.device
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    cache = new_cache(model) if cache is None else cache
     past = cache.get_seq_length()
     if attention_mask is not None:
         if past:

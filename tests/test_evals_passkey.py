@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import rope_ext
 from rope_ext.evals import passkey
 
 
@@ -95,3 +96,10 @@ def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):
             if ids[0, -1] == tiny_tokenizer.eos_token_id:
                 break
     assert first == tiny_tokenizer.decode(ids[0, len(prompt.ids):], skip_special_tokens=True)
+
+
+def test_answers_prefilled_in_chunks_are_the_same(tiny_model, tiny_tokenizer):
+    rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=60)
+    prompt = passkey.build_prompt(tiny_tokenizer, 400, 0.5, 123)
+    whole = passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6)(prompt)
+    assert passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, chunk_size=64)(prompt) == whole

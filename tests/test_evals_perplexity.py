@@ -3,6 +3,7 @@ re-forward protocol on the trained tiny model, shared forwards only where exact.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -114,6 +115,21 @@ def test_matches_the_reforward_protocol_on_the_trained_model(tiny_model, tiny_to
         assert ours["ppl"] < 100  # the trained model, not noise (uniform would be 1024)
 
 
+@pytest.mark.parametrize("method,params", [("plain", {}), ("sink_window", {"factor": 4, "sinks": 2, "window": 60}),
+                                           ("self_extend", {"factor": 4})])
+def test_chunks_through_the_cache_give_the_numbers_of_one_forward(tiny_model, heldout_docs, method, params):
+    if method != "plain":
+        rope_ext.patch(tiny_model, method, **params)
+    one = perplexity.evaluate(tiny_model, heldout_docs, [256, 512], stride=192, progress=False)
+    forwards = count_forwards(tiny_model)
+    chunked = perplexity.evaluate(tiny_model, heldout_docs, [256, 512], stride=192, chunk_size=50, progress=False)
+    assert len(forwards) > 2 * len(heldout_docs)  # several chunks per window, not one forward each
+    for n in (256, 512):
+        assert chunked[n]["tokens"] == one[n]["tokens"]
+        assert chunked[n]["ppl"] == pytest.approx(one[n]["ppl"], rel=1e-5)
+        assert [b["ppl"] for b in chunked[n]["buckets"]] == pytest.approx([b["ppl"] for b in one[n]["buckets"]], rel=1e-5)
+
+
 def count_forwards(model):
     calls = []
     model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
@@ -204,3 +220,15 @@ def test_cli_writes_results_and_never_overwrites(tiny_path, tmp_path):
     assert (out / "ppl.json").read_text() == saved
     assert perplexity.main(argv + ["--method", "yarn", "--factor", "2", "--overwrite"]) == 0
     assert (out / "ppl.json").read_text() != saved
+    assert perplexity.main(argv + ["--method", "sink_window", "--factor", "4", "--chunk-size", "64", "--overwrite"]) == 0
+    assert json.loads((out / "ppl.json").read_text())["setup"]["chunk_size"] == 64
+    with pytest.raises(ValueError, match="--chunk-size must be an int"):
+        perplexity.main(argv + ["--chunk-size", "0", "--overwrite"])
+
+
+def test_progress_moves_during_one_forward(tiny_model, heldout_ids):
+    scorer = perplexity.TokenScorer(tiny_model)
+    steps = []
+    scorer.hidden(heldout_ids[:301], steps.append)
+    assert len(steps) == tiny_model.config.num_hidden_layers and sum(steps) == 301
+    assert not tiny_model.model.layers[0]._forward_hooks  # the hooks go with the forward

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import AttentionTransform
+from rope_ext.method.sink_window import SinkWindowCache
 
 from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, random_model
 from test_dca import ids, set_chain
@@ -82,6 +83,45 @@ def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids
             steps.append(tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits)
     assert (chunked - full).abs().max() <= 1e-4
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("params", [{}, {"sinks": 2, "window": 50}, {"sinks": 0, "window": 30}])
+def test_the_bounded_cache_lets_go_only_keys_no_query_sees(tiny_model, heldout_ids, params):
+    """chunked prefill and decoding through a SinkWindowCache: the numbers of one forward, with
+    the cache holding sinks + window - 1 keys per layer however long the input."""
+    x = heldout_ids[None, :400]
+    info = rope_ext.patch(tiny_model, "sink_window", factor=4, **params)
+    held = info.params["sinks"] + info.params["window"] - 1
+    with torch.no_grad():
+        full = tiny_model(x).logits
+        cache = rope_ext.chunked.new_cache(tiny_model)
+        assert isinstance(cache, SinkWindowCache)
+        hidden, _ = rope_ext.chunked_forward(tiny_model, x[:, :300], chunk_size=37, cache=cache)
+        assert [layer.held() for layer in cache.layers] == [held] * len(cache.layers)
+        assert cache.get_seq_length() == 300
+        steps = [tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(300, 400)]
+        nll = rope_ext.chunked_nll(tiny_model, x, chunk_size=64)
+    assert [layer.held() for layer in cache.layers] == [held] * len(cache.layers)
+    assert (tiny_model.lm_head(hidden) - full[:, :300]).abs().max() <= 1e-4
+    assert (torch.cat(steps, dim=1) - full[:, 300:]).abs().max() <= 1e-4
+    expected = F.cross_entropy(full[0, :-1], x[0, 1:], reduction="none").double()
+    assert (nll - expected).abs().max() <= 1e-4
+
+
+def test_generation_through_the_bounded_cache_gives_the_same_tokens(tiny_model, heldout_ids):
+    rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=40)
+    prompt = heldout_ids[None, :300]
+    with torch.no_grad():
+        bounded = rope_ext.chunked_generate(tiny_model, prompt, chunk_size=64, max_new_tokens=30, do_sample=False)
+        every_key = tiny_model.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(bounded, every_key)
+
+
+def test_the_bounded_cache_cannot_be_cropped(tiny_model, heldout_ids):
+    rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=40)
+    _, cache = rope_ext.chunked_forward(tiny_model, heldout_ids[None, :100], chunk_size=50)
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
 
 
 def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):

@@ -16,6 +16,9 @@ What a method may add is declared on it, never special-cased by the orchestratio
   its own linear scaling);
 - `needs_attention_interface`: attention must run through transformers' AttentionInterface;
 - `load_state(model, path, params)`: state a saved checkpoint holds beyond the config;
+- `kv_cache(config, params)`: the KV cache that chunked prefill, perplexity and generation fill
+  (rope_ext.chunked), for a method that can let keys go (sink_window); None: transformers'
+  DynamicCache;
 - `keeps_config_window`: the config's max_position_embeddings stays the trained window even
   where `native` reloads the patch (a method without a native form always keeps it).
 """
@@ -133,6 +136,9 @@ class Method:
 
     def load_state(self, model, path, params: dict) -> None:
         pass
+
+    def kv_cache(self, config, params: dict):
+        return None
 
     def __call__(self, geom: RotaryGeometry, seq_len: int | None, factor: float, params: dict):
         math_params = {k: v for k, v in params.items() if k not in SCHEDULE_PARAMS}

@@ -14,10 +14,14 @@ unpatched model (bit for bit); with the defaults (s = 4, w = L - s) that is ever
 seen at most L tokens. Tokens outside the sinks and the window are not attended at all: text past
 the window is not retrievable.
 
-The rotary frequencies stay the trained ones. The KV cache keeps every key, before rotation (the
+The rotary frequencies stay the trained ones. The KV cache holds keys before rotation (the
 mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
-token-by-token decoding give the same numbers; evicting the keys no query sees any more (the
-bounded memory of StreamingLLM) is not done here.
+token-by-token decoding give the same numbers. Through rope_ext.chunked (chunked_forward,
+chunked_nll, chunked_generate and the evals' --chunk-size) the cache is a `SinkWindowCache`: after
+each step it keeps the sinks and the last w - 1 keys, the only ones a later query can see
+(StreamingLLM's rolling cache), so memory stays the same at any input length and each token costs
+the same time. A DynamicCache (what `model.generate` builds by itself) keeps every key and gives
+the same numbers.
 
 How it runs: queries below s + w attend through the model's own backend. The others attend the
 sinks in one call (query at s + w - 1) and their window in blocks of rows, each over the keys its
@@ -30,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
 
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
@@ -82,6 +87,9 @@ class SinkWindowMethod(Method):
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
         return [SinkWindowAttention(rotary)]
 
+    def kv_cache(self, config, params: dict) -> Cache:
+        return SinkWindowCache(config.get_text_config(decoder=True).num_hidden_layers, params["sinks"], params["window"])
+
 
 METHOD = SinkWindowMethod(
     NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
@@ -90,10 +98,61 @@ METHOD = SinkWindowMethod(
 )
 
 
+class SinkWindowLayer(DynamicLayer):
+    """One layer's KV cache that keeps the first `sinks` keys and the last `window - 1`: every key
+    a later query can see, since a query sees the sinks and the keys less than `window` before it.
+    `update` hands attention the kept keys and the new ones; `get_seq_length` counts every key
+    written, so positions go on counting past the keys let go."""
+
+    is_croppable = False  # a rolled-back step would need keys that are gone
+
+    def __init__(self, sinks: int, window: int):
+        super().__init__()
+        self.sinks, self.window = sinks, window
+        self.cumulative_length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.cumulative_length += key_states.shape[-2]
+        keys, values = torch.cat((self.keys, key_states), dim=-2), torch.cat((self.values, value_states), dim=-2)
+        self.keys, self.values = self._kept(keys), self._kept(values)
+        return keys, values
+
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        held = x.shape[-2]
+        if held <= self.sinks + self.window - 1:
+            return x
+        return torch.cat((x[..., : self.sinks, :], x[..., held - self.window + 1 :, :]), dim=-2)
+
+    def held(self) -> int:
+        """Keys in memory (get_seq_length counts every key written)."""
+        return 0 if not self.is_initialized else self.keys.shape[-2]
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The keys attention receives; their mask only serves rows at their true positions, which
+        # occur before any key is let go (SinkWindowAttention), so it is the one of a DynamicLayer.
+        return self.held() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError(f"{NAME}: its KV cache cannot be cropped: the keys it let go are not kept")
+
+
+class SinkWindowCache(Cache):
+    """A KV cache of `SinkWindowLayer`s: memory bounded by sinks + window keys per layer."""
+
+    def __init__(self, num_layers: int, sinks: int, window: int):
+        super().__init__(layers=[SinkWindowLayer(sinks, window) for _ in range(num_layers)])
+
+
 class SinkWindowAttention(RotateInAttention):
     """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
-    keeps). Keys are key index = position, so the positions must be those of one unpadded sequence
-    that starts at 0 (the same in every row)."""
+    keeps). The positions must be those of one unpadded sequence that starts at 0 (the same in
+    every row). The keys it receives are key index = position, or, from a SinkWindowCache that let
+    keys go, the sinks followed by the newest keys."""
 
     rotates = True
 
@@ -102,20 +161,26 @@ class SinkWindowAttention(RotateInAttention):
         kv_len, q_len = key.shape[-2], query.shape[-2]
         self.key_positions(kv_len)
         self.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
-        first_key = frame.k_pos.shape[-1] - kv_len
+        written = frame.k_pos.shape[-1]
+        let_go = written - kv_len  # keys between the sinks and the window that the cache no longer holds
         layout, trained = self.rotary.geometry.layout, self.rotary.geometry.original_window
+        sinks, window = self.rotary.params["sinks"], self.rotary.params["window"]
+        if let_go and kv_len != sinks + window - 1 + q_len:
+            raise ValueError(
+                f"{NAME}: the KV cache returned {kv_len} of {written} keys, not the sinks and the window a "
+                "SinkWindowCache keeps (a sliding-window cache?); use a DynamicCache or rope_ext.chunked's cache"
+            )
 
         def true_positions(x, keys, start, stop):  # x[:, :, start:stop] at its own positions
-            shift = first_key if keys else 0  # frame.k_pos also holds keys the cache no longer returns
+            shift = let_go if keys and start >= sinks else 0  # indices past the sinks skip the keys let go
             cos, sin = frame.rotation(trained, keys, start + shift, stop + shift, x.dtype)
             return apply_rotary(x[:, :, start:stop], cos, sin, layout)
 
-        sinks, window = self.rotary.params["sinks"], self.rotary.params["window"]
         span = sinks + window
-        offset = kv_len - q_len  # query row r is key index (and position) offset + r
-        exact = min(q_len, max(0, span - offset))  # rows at positions below sinks + window
+        offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
+        exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
         outputs = []
-        if exact:
+        if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
             q_own, k_own = true_positions(query, False, 0, exact), true_positions(key, True, 0, offset + exact)
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
