@@ -33,7 +33,9 @@ from .patches import find_adapter
 class PatchInfo:
     """What `patch` did. `max_length` is the length the patched model is meant for
     (original_window * factor); `native` is the transformers `rope_parameters` written to the
-    config (None when transformers has no equivalent and only rope_ext can reload it)."""
+    config (None when transformers has no equivalent and only rope_ext can reload it); `notes` is
+    what the method states about the parameters it resolved, as data (e.g. whether they follow a
+    rule its authors give, at max_length); {} when it states nothing."""
 
     method: str
     factor: float
@@ -48,6 +50,7 @@ class PatchInfo:
     layout: str
     attention_factor: float | None
     native: dict | None
+    notes: dict
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +86,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
     max_length = math.ceil(geometry.original_window * factor)
     rotary = adapter.build(site, spec, factor, params, geometry, original)
     transforms = spec.attention(rotary, facts, params)
+    notes = spec.notes(geometry, factor, params)
 
     # Everything that can fail has run; from here on the model changes.
     native = adapter.install(site, rotary, transforms, max_length)
@@ -93,7 +97,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
         method=method, factor=factor, params=params, family=adapter.name, model_type=config.model_type,
         original_window=geometry.original_window, max_length=max_length, rotary_dim=geometry.rotary_dim,
         head_dim=geometry.head_dim, base=geometry.base, layout=geometry.layout,
-        attention_factor=None if spec.dynamic else rotary.attention_scaling, native=native,
+        attention_factor=None if spec.dynamic else rotary.attention_scaling, native=native, notes=notes,
     )
 
 

@@ -1,11 +1,15 @@
 """self_extend: SelfExtend's grouped attention (rope_ext.method.self_extend)."""
 
+import warnings
+from fractions import Fraction
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import AttentionChain, AttentionTransform
+from rope_ext.evals import loading
 from rope_ext.method import self_extend
 
 from helpers import WINDOW, random_model
@@ -169,8 +173,9 @@ def test_factor_group_and_window(tiny_model):
     info = rope_ext.patch(tiny_model, "self_extend", group=4, window=32)
     assert info.factor == 4 * (128 - 32 + 8) / 128 and info.max_length == 416
     assert info.params["group"] == 4 and info.params["window"] == 32
-    info = rope_ext.patch(tiny_model, "self_extend", factor=4)  # window 128/4, smallest group reaching 512
-    assert (info.params["window"], info.params["group"], info.max_length) == (32, 6, 4 * window)
+    info = rope_ext.patch(tiny_model, "self_extend", factor=4)  # window 128/4, the group DEFAULT_GROUP_RULE picks
+    assert (info.params["group"], info.params["window"]) == self_extend.choose(4, window, self_extend.DEFAULT_GROUP_RULE)
+    assert info.params["group_rule"] == self_extend.DEFAULT_GROUP_RULE and info.max_length == 4 * window
     info = rope_ext.patch(tiny_model, "self_extend", factor=2, group=8, window=64)  # factor only sets max_length
     assert info.max_length == 2 * window and info.params["group"] == 8
     assert rope_ext.describe(tiny_model)["method"] == "self_extend"
@@ -187,6 +192,9 @@ def test_factor_group_and_window(tiny_model):
         ({"group": 4, "granularity": 4}, "granularity does not apply"),
         ({"group": 4, "beta_fast": 4}, "unknown parameter"),
         ({"group": 2.5}, "must be an int"),
+        ({"factor": 4, "group_rule": "widest"}, "group_rule must be None or one of 'reach', 'authors'"),
+        ({"factor": 4, "group": 7, "group_rule": "reach"}, r"group 7 is not what group_rule='reach' picks for 512 tokens at window 32 \(6\)"),
+        ({"factor": 4, "window": 100, "group_rule": "authors"}, "no group follows its authors' rule at window 100"),
     ],
 )
 def test_bad_parameters_change_nothing(tiny_model, heldout_ids, kwargs, message):
@@ -220,3 +228,95 @@ def test_unpatch_save_and_reload(tiny_model, heldout_ids, tmp_path):
         rope_ext.unpatch(tiny_model)
         assert torch.equal(tiny_model(ids).logits, plain)
     assert "self_extend" in rope_ext.methods()
+
+
+# SelfExtend's authors' rule: W + (N - W)/G within 2/3 of the trained window L.
+
+def test_the_authors_rule_at_32k_of_an_8k_window():
+    limit = self_extend.rule_limit(8192)
+    assert limit == Fraction(16384, 3)  # 5461.33
+    assert self_extend.grouped_span(32768, 6, 2048) == 2048 + Fraction(30720, 6) == 7168 > limit
+    assert not self_extend.follows_rule(8192, 32768, 6, 2048)
+    assert self_extend.grouped_span(32768, 10, 2048) == 5120 and self_extend.follows_rule(8192, 32768, 10, 2048)
+    # exactly at the limit holds; one group less does not
+    assert self_extend.grouped_span(32768, 9, 2048) == limit and self_extend.follows_rule(8192, 32768, 9, 2048)
+    assert not self_extend.follows_rule(8192, 32768, 8, 2048)
+    assert self_extend.longest_within_rule(8192, 6, 2048) == 22528
+    assert self_extend.follows_rule(8192, 22528, 6, 2048) and not self_extend.follows_rule(8192, 22529, 6, 2048)
+
+
+@pytest.mark.parametrize("trained, window", [(8192, 2048), (128, 32)])
+def test_each_group_rule_picks_the_smallest_group_it_allows(trained, window):
+    target = 4 * trained
+    assert self_extend.choose(4, trained, "reach") == (6, window)
+    assert self_extend.choose(4, trained, "authors") == (9, window)
+    assert self_extend.capacity(trained, 6, window) >= target > self_extend.capacity(trained, 5, window)
+    assert self_extend.capacity(trained, 9, window) >= target
+    assert self_extend.follows_rule(trained, target, 9, window) and not self_extend.follows_rule(trained, target, 8, window)
+
+
+def test_the_authors_rule_needs_a_window_below_two_thirds_of_the_trained_one():
+    # 5461 is 1/3 below the limit: (32768 - 5461) / (1/3) groups bring the span down to it
+    assert self_extend.choose(4, 8192, "authors", window=5461) == (81921, 5461)
+    with pytest.raises(ValueError, match="no group follows its authors' rule at window 5462"):
+        self_extend.choose(4, 8192, "authors", window=5462)
+
+
+def rule_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "authors' rule" in str(w.message)]
+
+
+def patch_recording(model, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = rope_ext.patch(model, "self_extend", **kwargs)
+    return info, rule_warnings(caught)
+
+
+def test_patch_info_states_the_rule_and_the_choice(tiny_model):
+    info, warned = patch_recording(tiny_model, factor=4, group_rule="reach")
+    assert warned == []  # a group the rule picks never warns, even one that breaks the authors' rule
+    rule = info.to_dict()["notes"]["authors_rule"]
+    assert (info.params["group"], info.params["group_rule"]) == (6, "reach")
+    assert rule["target"] == 512 and rule["value"] == 32 + 480 / 6 and rule["limit"] == 256 / 3 and rule["holds"] is False
+    info, warned = patch_recording(tiny_model, factor=4, group_rule="authors")
+    assert warned == [] and (info.params["group"], info.params["group_rule"]) == (9, "authors")
+    assert info.notes["authors_rule"]["holds"] is True and info.notes["authors_rule"]["value"] == pytest.approx(256 / 3)
+    info, warned = patch_recording(tiny_model, factor=4)
+    assert warned == [] and info.params["group_rule"] == self_extend.DEFAULT_GROUP_RULE
+    assert rope_ext.patch(tiny_model, "yarn", factor=4).notes == {}
+
+
+def test_a_given_group_that_breaks_the_rule_warns_with_the_fix(tiny_model):
+    info, warned = patch_recording(tiny_model, factor=4, group=6)
+    assert info.params["group_rule"] is None
+    assert warned == [
+        "self_extend: group 6 with window 32 breaks its authors' rule at 512 tokens: W + (N - W)/G = 112 > "
+        "2/3 x 128 = 85.3333 (Jin et al. 2024); for 512 tokens use group >= 9 (what group_rule='authors' picks "
+        "at this window), or keep this pair to targets of at most 352 tokens"
+    ]
+    _, warned = patch_recording(tiny_model, factor=4, group=9)
+    assert warned == []
+    _, warned = patch_recording(tiny_model, factor=4, window=100, group=40)  # no group follows at this window
+    assert len(warned) == 1 and warned[0].endswith("lower the window below 85.3333: no group follows the rule at window 100")
+    _, warned = patch_recording(tiny_model, group=9, window=32)  # no factor: meant for its whole reach, 891 tokens
+    assert len(warned) == 1 and "at 891 tokens" in warned[0]
+    _, warned = patch_recording(tiny_model, factor=4, window=16)  # the window alone: the group is the rule's
+    assert warned == []
+
+
+def test_a_reload_warns_only_for_a_group_the_caller_gave(tiny_model, tmp_path):
+    for kwargs, expected in (({"factor": 4}, 0), ({"factor": 4, "group": 6}, 1)):
+        rope_ext.patch(tiny_model, "self_extend", **kwargs)
+        tiny_model.save_pretrained(tmp_path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reloaded = rope_ext.from_pretrained(tmp_path, dtype=torch.float32)
+        assert len(rule_warnings(caught)) == expected
+        assert rope_ext.describe(reloaded)["params"] == rope_ext.describe(tiny_model)["params"]
+
+
+def test_the_command_line_asks_for_the_authors_rule():
+    params = loading.parse_params(["group_rule=authors"])
+    assert params == {"group_rule": "authors"}
+    loading.check_method("self_extend", 4, params)

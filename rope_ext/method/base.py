@@ -16,6 +16,8 @@ What a method may add is declared on it, never special-cased by the orchestratio
   its own linear scaling);
 - `needs_attention_interface`: attention must run through transformers' AttentionInterface;
 - `load_state(model, path, params)`: state a saved checkpoint holds beyond the config;
+- `notes(geometry, factor, params)`: what the method states about the parameters it resolved, as
+  data for PatchInfo.notes (self_extend: whether its authors' rule holds);
 - `kv_cache(config, params)`: the KV cache that chunked prefill, perplexity and generation fill
   (rope_ext.chunked), for a method that can let keys go (sink_window); None: transformers'
   DynamicCache;
@@ -136,6 +138,9 @@ class Method:
 
     def load_state(self, model, path, params: dict) -> None:
         pass
+
+    def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
+        return {}
 
     def kv_cache(self, config, params: dict):
         return None
