@@ -7,14 +7,19 @@ Loads a checkpoint ("smollm2" = the embedded SmolLM2, "tiny" = the test suite's 
 local folder or a hub id), patches it with `rope_ext.patch(method, factor)`, wraps it in a peft
 LoRA (optionally training embeddings and norms too, as LongLoRA does), packs documents into
 sequences of the target length and trains with warmup + cosine, gradient accumulation and
-(optionally) gradient checkpointing and LongLoRA's shifted sparse attention. Flags override the
-YAML. Runs on one CPU, DDP, FSDP2 or DeepSpeed through accelerate (recipes/configs/accelerate/).
+(optionally) gradient checkpointing and LongLoRA's shifted sparse attention, over a float32,
+bfloat16/float16 (--dtype) or 4-bit (--load-in-4bit, QLoRA) base. Flags override the YAML.
+Runs on one CPU, DDP, FSDP2 or DeepSpeed through accelerate (recipes/configs/accelerate/).
 
 Output folder: the adapter + tokenizer + rope_ext_finetune.json (reload with
-`rope_ext.from_pretrained(out)`), train_log.json and results.md (the perplexity at the
-target length over training), checkpoints/step-N (every --save-every steps, written atomically;
-`--resume` continues from the newest with the same data order) and, with --merge, merged/ (a full
-patched model: `rope_ext.from_pretrained(out / "merged")`).
+`rope_ext.from_pretrained(out)`; where transformers' rope_parameters express the patch, base/ is
+the patched base for peft's and transformers' own loaders, otherwise those loaders are refused),
+train_log.json, results.md and loss.png (the per-step loss, lr and tokens/s, and the perplexity
+at the target length over training; `--log-with tensorboard` also feeds accelerate's trackers
+under logs/), checkpoints/step-N (the trained weights, optimizer, schedule and RNG every
+--save-every steps, written atomically; `--resume` continues from the newest with the same data
+order) and, with --merge, merged/ (a full patched model: `rope_ext.from_pretrained(out /
+"merged")`, or plain transformers where the patch has native rope_parameters).
 """
 
 import sys

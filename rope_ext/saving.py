@@ -2,24 +2,36 @@
 
 A patched checkpoint is a transformers checkpoint whose config.json carries the patch record
 (rope_ext.record); `from_pretrained` loads it and re-applies the patch. A fine-tune folder
-(written by recipes/finetune.py) holds the peft adapter (adapter_config.json,
-adapter_model.safetensors), the tokenizer, and `rope_ext_finetune.json`: which base checkpoint
-the adapter belongs to and the patch it was trained under. One call rebuilds base -> patch ->
-adapter:
+(written by recipes/finetune.py) holds the peft adapter (adapter_model.safetensors and its
+config), the tokenizer, and `rope_ext_finetune.json`: which base checkpoint the adapter belongs
+to and the patch it was trained under. One call rebuilds base -> patch -> adapter:
 
     model = rope_ext.from_pretrained("runs/yarn-x4")
+
+The loads that know nothing of rope-ext read the adapter's config and build its base from
+`base_model_name_or_path` (peft's AutoPeftModelForCausalLM, transformers'
+AutoModelForCausalLM.from_pretrained of the folder). `save_record` makes them right where
+transformers' rope_parameters express the patch, and makes them fail where not (see there).
 """
 
 from __future__ import annotations
 
+import copy
+import os
+import shutil
+import warnings
 from pathlib import Path
 
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import record
 from .defaults import resolve_checkpoint
 from .patching import describe, patch, reapply
+
+ADAPTER_CONFIG = "adapter_config.json"  # the name peft and transformers look for
+SEALED_ADAPTER_CONFIG = "rope_ext_adapter_config.json"  # the same file, out of their sight
+PLAIN_BASE = "base"  # the base as transformers alone loads it patched
 
 
 def from_pretrained(path, **kwargs) -> nn.Module:
@@ -35,7 +47,17 @@ def from_pretrained(path, **kwargs) -> nn.Module:
 
 
 def save_record(out_dir, base_model: str, model: nn.Module, extra: dict | None = None) -> Path:
-    """Write rope_ext_finetune.json for `model` (patched, possibly peft-wrapped) into `out_dir`.
+    """Write rope_ext_finetune.json for `model` (patched, possibly peft-wrapped) into `out_dir`,
+    next to the adapter peft saved there, and make the plain loads of the folder right or refused:
+
+    - where transformers' rope_parameters express the patch, `out_dir/base` becomes the base as
+      transformers loads it patched (the base's config with the native rope_parameters, its
+      other files linked, not copied) and the adapter's config names it as its base, so peft's
+      AutoPeftModelForCausalLM and transformers' AutoModelForCausalLM.from_pretrained(out_dir)
+      give the fine-tuned model;
+    - otherwise the adapter's config is renamed rope_ext_adapter_config.json, so that those loads
+      stop (peft: "Can't find 'adapter_config.json'") instead of attaching the adapter to the
+      unpatched model; `load_finetuned` reads it under that name.
 
     `base_model` is what `resolve_checkpoint` turns back into a loadable checkpoint: "smollm2"
     (recorded by name, not by its cache path, so the folder stays valid on another machine), an
@@ -43,7 +65,71 @@ def save_record(out_dir, base_model: str, model: nn.Module, extra: dict | None =
     described = describe(model)
     if described is None:
         raise ValueError("the model is not patched by rope_ext; nothing to record")
-    return record.write_finetune(out_dir, base_model, described, extra)
+    path = record.write_finetune(out_dir, base_model, described, extra)
+    base = _local_folder(base_model)
+    config = plain_config(model.config, base)
+    if config is None:
+        _seal(Path(out_dir), described["method"])
+    else:
+        _write_plain_base(Path(out_dir), base, config)
+    return path
+
+
+def plain_config(patched, base: Path):
+    """The base's config with the values the patch wrote to `patched` (the patched model's
+    config): what transformers alone loads as the patched model. None when the patch left them
+    as they were, having no native form (rope_ext.patching.PatchInfo.native)."""
+    original = record.read(patched).original
+    owned = [key for key in original if hasattr(patched, key)]
+    if all(getattr(patched, key) == original[key] for key in owned):
+        return None
+    config = AutoConfig.from_pretrained(base)
+    for key in (*owned, record.CONFIG_KEY):
+        setattr(config, key, copy.deepcopy(getattr(patched, key)))
+    return config
+
+
+def _local_folder(base_model: str) -> Path:
+    """The folder the base model loads from: its own, or its snapshot in the hub cache."""
+    path = Path(resolve_checkpoint(base_model))
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(base_model, local_files_only=True))
+
+
+def _write_plain_base(out: Path, base: Path, config) -> None:
+    from peft import PeftConfig
+
+    view = out / PLAIN_BASE
+    shutil.rmtree(view, ignore_errors=True)
+    view.mkdir()
+    for item in base.iterdir():
+        if item.is_file() and item.name != "config.json":
+            (view / item.name).symlink_to(item.resolve())
+    config.save_pretrained(view)
+    adapter = PeftConfig.from_pretrained(str(out))
+    adapter.base_model_name_or_path = str(view.resolve())
+    adapter.save_pretrained(str(out))
+
+
+def _seal(out: Path, method: str) -> None:
+    os.replace(out / ADAPTER_CONFIG, out / SEALED_ADAPTER_CONFIG)
+    warnings.warn(
+        f"rope_ext: no transformers rope_parameters express the {method!r} patch, so peft or transformers alone would "
+        f"attach this adapter to the unpatched model; {out} keeps its adapter config as {SEALED_ADAPTER_CONFIG}, which "
+        f"they do not read: load it with rope_ext.from_pretrained({str(out)!r})",
+        UserWarning, stacklevel=3,
+    )
+
+
+def _adapter_config(path: Path):
+    """The adapter's peft config when `save_record` renamed it; None lets peft read its own."""
+    from peft import PeftConfig
+
+    sealed = path / SEALED_ADAPTER_CONFIG
+    return PeftConfig.from_peft_type(**PeftConfig.from_json_file(str(sealed))) if sealed.is_file() else None
 
 
 def load_finetuned(path, merge: bool = False, **hf_kwargs) -> nn.Module:
@@ -58,7 +144,7 @@ def load_finetuned(path, merge: bool = False, **hf_kwargs) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(saved["base_model"]), **hf_kwargs)
     spec = saved["patch"]
     patch(model, spec["method"], spec["factor"], original_window=spec["original_window"], **spec["params"])
-    model = PeftModel.from_pretrained(model, str(path))
+    model = PeftModel.from_pretrained(model, str(path), config=_adapter_config(Path(path)))
     if merge:
         model = model.merge_and_unload()
     return model.eval()

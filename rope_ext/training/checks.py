@@ -3,11 +3,52 @@ saying what to change, before the first step."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+
+import torch
+from accelerate import tracking
 
 import rope_ext
 
-from .config import ConfigError
+from .config import HALF_PRECISION, ConfigError
+from .distributed import is_sharded
+
+
+def check_trackers(names: list[str]) -> None:
+    """Every tracker of output.log_with known to accelerate and installed (accelerate itself
+    drops a missing one without a word)."""
+    known = tracking.LoggerType.list()
+    available = {str(t) for t in tracking.get_available_trackers()}
+    for name in names:
+        if name not in known:
+            raise ConfigError(f"output.log_with: unknown tracker {name!r}; accelerate knows {', '.join(known)}")
+        if name not in available:
+            raise ConfigError(f"output.log_with: the {name} tracker is not installed (pip install {name}, "
+                              "or `pip install rope-ext[tracking]` for tensorboard), or drop it from output.log_with")
+
+
+def check_precision(cfg: dict, mixed_precision: str) -> None:
+    """A half-precision base needs the autocast of its dtype, whatever accelerate's config says."""
+    needed = HALF_PRECISION.get(cfg["model"]["dtype"])
+    if needed and mixed_precision != needed:
+        raise ConfigError(f"model.dtype {cfg['model']['dtype']} trains under {needed} autocast; this launch's mixed "
+                          f"precision is {mixed_precision!r}: set training.precision to auto or {needed}")
+
+
+def check_quantization(cfg: dict, accelerator) -> None:
+    """QLoRA's 4-bit base needs bitsandbytes and a CUDA GPU, and one unsharded replica per GPU."""
+    if not cfg["model"]["load_in_4bit"]:
+        return
+    missing = [what for what, there in (("the bitsandbytes package (pip install bitsandbytes)",
+                                         importlib.util.find_spec("bitsandbytes") is not None),
+                                        ("a CUDA GPU", torch.cuda.is_available())) if not there]
+    if missing:
+        raise ConfigError(f"model.load_in_4bit (QLoRA) needs {' and '.join(missing)}, which this machine lacks; "
+                          "train the base in bfloat16 instead (--no-load-in-4bit --dtype bfloat16)")
+    if is_sharded(accelerator):
+        raise ConfigError("model.load_in_4bit runs on one GPU or under DDP; FSDP and DeepSpeed shard parameters "
+                          "that bitsandbytes keeps packed: use a DDP or single-device accelerate config")
 
 
 def check_parallelism(cfg: dict, cp_size: int) -> None:

@@ -22,6 +22,9 @@ DEFAULTS: dict = {
     "model": {
         "path": "smollm2",  # smollm2 | tiny | local folder | hub id
         "attn_implementation": "sdpa",
+        # the frozen base's weights; LoRA and the trainable embeddings/norms train in float32 on top
+        "dtype": "float32",  # float32 | bfloat16 | float16
+        "load_in_4bit": False,  # QLoRA: the base quantized to 4-bit NF4 by bitsandbytes (CUDA only)
     },
     "patch": {"method": "yarn", "factor": 4.0, "params": {}},
     "lora": {
@@ -40,6 +43,7 @@ DEFAULTS: dict = {
         "split": "train",
         "text_field": "text",
         "seq_len": None,  # default: the patched window, original_window * factor (the original window with training.pose)
+        "num_proc": 1,  # processes tokenizing the documents (datasets' Dataset.map)
     },
     "training": {
         "seed": 0,
@@ -70,11 +74,18 @@ DEFAULTS: dict = {
         "save_every": 100,
         "keep": 2,  # checkpoints kept on disk
         "merge": False,
+        "log_with": [],  # accelerate trackers (tensorboard, wandb, ...) fed the per-step loss, lr and tokens/s
     },
 }
 
-# Sections whose values change what is trained: a resumed run must match them exactly.
+# Sections whose values change what is trained: a resumed run must match them exactly, all but
+# the keys that only change how the same result is computed.
 IDENTITY_SECTIONS = ("model", "patch", "lora", "data", "training")
+NOT_IDENTITY = {("data", "num_proc")}
+DTYPES = ("float32", "bfloat16", "float16")
+# The autocast a half-precision base needs: the float32 trainable norms and embeddings feed its
+# half-precision matmuls.
+HALF_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 def _csv(value: str) -> list[str]:
@@ -85,6 +96,8 @@ def _csv(value: str) -> list[str]:
 FLAGS = [
     ("--model", "model.path", str, "smollm2 | tiny | local folder | hub id"),
     ("--attn-implementation", "model.attn_implementation", str, "transformers attention backend"),
+    ("--dtype", "model.dtype", str, "dtype of the frozen base weights: float32 | bfloat16 | float16"),
+    ("--load-in-4bit", "model.load_in_4bit", bool, "QLoRA: quantize the frozen base to 4-bit NF4 (bitsandbytes, CUDA)"),
     ("--method", "patch.method", str, "rope-ext method (rope_ext.methods())"),
     ("--factor", "patch.factor", float, "scale over the model's original window"),
     ("--lora-r", "lora.r", int, "LoRA rank"),
@@ -97,6 +110,7 @@ FLAGS = [
     ("--exclude", "data.exclude", _csv, "comma-separated document names kept out of training"),
     ("--dataset-split", "data.split", str, "datasets split"),
     ("--text-field", "data.text_field", str, "datasets text column"),
+    ("--num-proc", "data.num_proc", int, "processes tokenizing the documents (datasets map)"),
     ("--seq-len", "data.seq_len", int, "training sequence length (default: the patched window; the original window with --pose)"),
     ("--max-steps", "training.max_steps", int, "optimizer steps"),
     ("--batch-size", "training.batch_size", int, "sequences per device per micro-step"),
@@ -120,6 +134,7 @@ FLAGS = [
     ("--save-every", "output.save_every", int, "checkpoint every N steps (0: no checkpoints)"),
     ("--keep-checkpoints", "output.keep", int, "checkpoints kept on disk"),
     ("--merge", "output.merge", bool, "also write merged full weights to OUT/merged"),
+    ("--log-with", "output.log_with", _csv, "comma-separated accelerate trackers, e.g. tensorboard (logs in OUT/logs)"),
 ]
 
 
@@ -219,7 +234,7 @@ def check_config(cfg: dict) -> None:
     method = cfg["patch"]["method"]
     if method not in known:
         raise ConfigError(f"unknown method {method!r}; valid methods: {', '.join(known)}")
-    for key in ("training.max_steps", "training.batch_size", "training.grad_accum", "lora.r", "eval.max_tokens"):
+    for key in ("training.max_steps", "training.batch_size", "training.grad_accum", "lora.r", "eval.max_tokens", "data.num_proc"):
         _positive_int(cfg, key)
     for key in ("training.warmup_steps", "training.s2_groups", "eval.every", "output.save_every", "output.keep"):
         _positive_int(cfg, key, minimum=0)
@@ -232,6 +247,10 @@ def check_config(cfg: dict) -> None:
     if cfg["training"]["precision"] not in (None, "auto", "no", "bf16", "fp16"):
         raise ConfigError(f"training.precision must be auto, no, bf16, fp16 or unset (accelerate's setting), "
                           f"got {cfg['training']['precision']!r}")
+    check_dtype(cfg)
+    trackers = cfg["output"]["log_with"]
+    if not isinstance(trackers, list) or not all(isinstance(t, str) for t in trackers):
+        raise ConfigError(f"output.log_with must be a list of tracker names, e.g. [tensorboard], got {trackers!r}")
     if not 0 <= cfg["lora"]["dropout"] < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
     if cfg["training"]["s2_groups"] and known[method]["dynamic"]:
@@ -241,6 +260,18 @@ def check_config(cfg: dict) -> None:
         if cfg["training"]["s2_groups"]:
             raise ConfigError("training.pose cannot be combined with training.s2_groups: PoSE trains at the original window "
                               "with full attention, shifted sparse attention at the extended one; use one of them")
+
+
+def check_dtype(cfg: dict) -> None:
+    dtype, precision = cfg["model"]["dtype"], cfg["training"]["precision"]
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not isinstance(cfg["model"]["load_in_4bit"], bool):
+        raise ConfigError(f"model.load_in_4bit must be true or false, got {cfg['model']['load_in_4bit']!r}")
+    needed = HALF_PRECISION.get(dtype)
+    if needed and precision not in (None, "auto", needed):
+        raise ConfigError(f"model.dtype {dtype} trains under {needed} autocast; training.precision {precision!r} "
+                          f"does not give it: set training.precision to auto or {needed}")
 
 
 def pose_refusal(spec) -> str | None:
@@ -265,8 +296,12 @@ def check_pose_method(cfg: dict) -> None:
         raise ConfigError(f"training.pose cannot train the method {name!r}: {reason}; PoSE trains the static methods: {static}")
 
 
+def _identity(cfg: dict) -> dict:
+    return {s: {k: v for k, v in cfg[s].items() if (s, k) not in NOT_IDENTITY} for s in IDENTITY_SECTIONS}
+
+
 def config_digest(cfg: dict) -> str:
-    identity = {k: cfg[k] for k in IDENTITY_SECTIONS}
+    identity = _identity(cfg)
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -279,4 +314,5 @@ def _diff(a, b, where: str = "") -> list[str]:
 def identity_differences(cfg: dict, saved: dict) -> list[str]:
     """What `cfg` changes, against the config a run folder was trained with, that a resumed run
     must keep."""
-    return [d for s in IDENTITY_SECTIONS for d in _diff(cfg[s], saved.get(s), f"{s}.")]
+    now, then = _identity(cfg), _identity({s: saved.get(s) or {} for s in IDENTITY_SECTIONS})
+    return [d for s in IDENTITY_SECTIONS for d in _diff(now[s], then[s], f"{s}.")]

@@ -4,19 +4,18 @@ evaluation text."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from datasets import Dataset
+from datasets.fingerprint import Hasher
 
 from rope_ext.defaults import cache_dir
-from rope_ext.evals.data import Document, iter_texts, tokenize_documents
+from rope_ext.evals.data import Document, iter_texts
 
 from .config import ConfigError
 
-def load_documents(spec: dict, names_key: str, tokenizer) -> list:
+
+def load_documents(spec: dict, names_key: str, tokenizer, num_proc: int = 1) -> list:
     """Tokenized documents (rope_ext.evals.data.Document) of a `data` or `eval` section:
     `names_key` "exclude" drops the named documents, "include" keeps only them."""
     try:
@@ -32,34 +31,45 @@ def load_documents(spec: dict, names_key: str, tokenizer) -> list:
     elif names:
         texts = [(n, t) for n, t in texts if n in names]
     try:
-        return tokenize_cached(texts, tokenizer)
+        return tokenize_cached(texts, tokenizer, num_proc)
     except ValueError as err:
         raise ConfigError(f"{spec['source']!r}: {err}") from None
 
 
-def tokenize_cached(texts: list[tuple[str, str]], tokenizer) -> list:
-    """rope_ext.evals.data.tokenize_documents, kept on disk under cache_dir() by a hash of the
-    texts and the tokenizer: every rank of every run over the same corpus tokenizes it once."""
+def _tokenize(batch: dict, tokenizer) -> dict:
+    return {"input_ids": tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]}
+
+
+def cache_key(texts: list[tuple[str, str]], tokenizer) -> str:
+    """A hash of the texts and the tokenizer (its serialised form where it has one)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:  # a slow tokenizer has no serialised form to key the cache on
-        return tokenize_documents(tokenizer, texts)
-    digest = hashlib.sha256(backend.to_str().encode())
+    digest = hashlib.sha256((backend.to_str() if backend is not None else Hasher.hash(tokenizer)).encode())
     for name, text in texts:
         digest.update(f"{len(name)}:{name}:{len(text)}:".encode())
         digest.update(text.encode("utf-8", "surrogatepass"))
-    # safetensors, not pickle: reading the cache runs no code whatever the torch version
-    path = cache_dir() / "finetune-tokens" / f"{digest.hexdigest()[:20]}.safetensors"
-    if path.is_file():
-        with safe_open(str(path), framework="pt") as saved:
-            names = json.loads(saved.metadata()["names"])
-            parts = saved.get_tensor("ids").split(saved.get_tensor("lengths").tolist())
-        return [Document(name, ids) for name, ids in zip(names, parts)]
-    documents = tokenize_documents(tokenizer, texts)
+    return digest.hexdigest()[:20]
+
+
+def tokenize_cached(texts: list[tuple[str, str]], tokenizer, num_proc: int = 1) -> list:
+    """Token streams (no special tokens) of the texts with at least 2 tokens, as
+    rope_ext.evals.data.tokenize_documents gives them, through datasets' `map` over `num_proc`
+    processes. The Arrow files it writes under cache_dir() are named by `cache_key`, so every
+    rank of every run over the same corpus tokenizes it once; Arrow holds no pickle."""
+    texts = [(n, t) for n, t in texts if t and t.strip()]
+    if not texts:
+        raise ValueError("the data source holds no documents")
+    path = cache_dir() / "finetune-tokens" / f"{cache_key(texts, tokenizer)}.arrow"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    save_file({"ids": torch.cat([d.ids for d in documents]), "lengths": torch.tensor([len(d) for d in documents])}, tmp,
-              metadata={"names": json.dumps([d.name for d in documents])})
-    tmp.rename(path)
+    table = Dataset.from_dict({"name": [n for n, _ in texts], "text": [t for _, t in texts]})
+    tokenized = table.map(
+        _tokenize, fn_kwargs={"tokenizer": tokenizer}, batched=True, remove_columns=["text"],
+        num_proc=min(num_proc, len(texts)) if num_proc > 1 else None,
+        cache_file_name=str(path), load_from_cache_file=True, desc="tokenizing",
+    )
+    ids = tokenized.with_format("torch", columns=["input_ids"], dtype=torch.long)["input_ids"]
+    documents = [Document(name, row) for name, row in zip(tokenized["name"], ids) if len(row) >= 2]
+    if not documents:
+        raise ValueError(f"none of the {len(texts)} documents has text with at least 2 tokens")
     return documents
 
 

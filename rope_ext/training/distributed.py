@@ -11,26 +11,35 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, gather_object
 
+from .config import HALF_PRECISION
+
 
 def has_accelerator() -> bool:
     accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every device type
     return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
-def choose_precision(setting: str) -> str:
-    """auto: bf16 on a GPU that has it, else fp16 on a GPU, fp32 on CPU."""
+def choose_precision(setting: str | None, dtype: str = "float32") -> str | None:
+    """auto: the autocast a half-precision base needs; for a float32 base bf16 on a GPU that has
+    it, else fp16 on a GPU, fp32 on CPU. None leaves accelerate's own setting."""
     if setting != "auto":
         return setting
+    if dtype in HALF_PRECISION:
+        return HALF_PRECISION[dtype]
     if torch.cuda.is_available():
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return "no"
 
 
-def make_accelerator(run: dict) -> Accelerator:
-    """The Accelerator for cfg["training"]: its precision and gradient accumulation."""
+def make_accelerator(cfg: dict, out) -> Accelerator:
+    """The Accelerator for `cfg`: its precision, gradient accumulation and trackers (writing
+    under `out`)."""
+    run = cfg["training"]
     return Accelerator(
-        mixed_precision=choose_precision(run["precision"]),
+        mixed_precision=choose_precision(run["precision"], cfg["model"]["dtype"]),
         gradient_accumulation_steps=run["grad_accum"],
+        log_with=cfg["output"]["log_with"] or None,
+        project_dir=str(out),
         # On a machine without an accelerator this makes a multi-process launch (torchrun,
         # `accelerate launch --multi_gpu`, recipes/configs/accelerate/cpu_ddp.yaml) CPU DDP over gloo.
         cpu=not has_accelerator(),

@@ -3,6 +3,8 @@ under PoSE the length the skipped positions reach), with full attention."""
 
 from __future__ import annotations
 
+import contextlib
+
 from tqdm import tqdm
 
 from rope_ext.evals.perplexity import evaluate as perplexity
@@ -31,19 +33,24 @@ def evaluate(model, documents: list, seq_len: int) -> dict:
 
 class HeldOut:
     """Evaluates the model in training on `documents` at `seq_len` tokens, as it will be used (full
-    attention), and keeps one result per step in `evals`."""
+    attention), keeps one result per step in `evals` and hands it to the trackers. `autocast`:
+    under the launch's autocast, which a half-precision base needs (its float32 trainable norms
+    feed half-precision matmuls); a float32 base is evaluated in float32."""
 
-    def __init__(self, accelerator, model, documents: list, seq_len: int, attention: AttentionSwitch, evals: list[dict]):
+    def __init__(self, accelerator, model, documents: list, seq_len: int, attention: AttentionSwitch, evals: list[dict],
+                 autocast: bool = False):
         self.accelerator, self.model, self.documents, self.seq_len = accelerator, model, documents, seq_len
-        self.attention, self.evals = attention, evals
+        self.attention, self.evals, self.autocast = attention, evals, autocast
 
     def __call__(self, step: int) -> None:
         accelerator = self.accelerator
         if accelerator.is_main_process or is_sharded(accelerator):
             self.attention.full()
-            result = {"step": step, **evaluate(accelerator.unwrap_model(self.model), self.documents, self.seq_len)}
+            with accelerator.autocast() if self.autocast else contextlib.nullcontext():
+                result = {"step": step, **evaluate(accelerator.unwrap_model(self.model), self.documents, self.seq_len)}
             self.attention.sparse()
             self.evals[:] = [e for e in self.evals if e["step"] != step] + [result]
+            accelerator.log({"eval/ppl": result["ppl"], "eval/nll": result["nll"]}, step=step)
             if accelerator.is_main_process:
                 tqdm.write(f"step {step}: held-out PPL at {self.seq_len} tokens = {result['ppl']:.3f}")
         accelerator.wait_for_everyone()

@@ -10,8 +10,11 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from .checkpoints import checkpoint_to_resume, save_checkpoint, start_or_resume
-from .checks import check_eval_documents, check_length, check_parallelism, check_pose_length, check_sequences
+from .checkpoints import checkpoint_to_resume, keep_trained_state_only, save_checkpoint, start_or_resume
+from .checks import (
+    check_eval_documents, check_length, check_parallelism, check_pose_length, check_precision, check_quantization,
+    check_sequences, check_trackers,
+)
 from .config import config_digest, parse_args
 from .data import first_tokens, load_documents, pack, token_stream
 from .distributed import context_parallel_size, data_parallel_rank, make_accelerator, prepare, replica_digests, train_step
@@ -22,7 +25,7 @@ from .optim import adamw_cosine
 from .order import DataOrder
 from .outputs import save_adapter, write_outputs
 from .pose import SkipPositions
-from .progress import Progress
+from .progress import Progress, StepLog, tracker_config
 from .s2_attention import AttentionSwitch
 
 
@@ -30,9 +33,10 @@ def train(cfg: dict, resume: str | None) -> dict:
     """Run the fine-tune `cfg` describes (from scratch, or from a checkpoint with `resume`);
     returns train_log.json's content on the main process, {} elsewhere."""
     run = cfg["training"]
-    accelerator = make_accelerator(run)
-    main = accelerator.is_main_process
     out = Path(cfg["output"]["dir"]).resolve()
+    check_trackers(cfg["output"]["log_with"])
+    accelerator = make_accelerator(cfg, out)
+    main = accelerator.is_main_process
     dp_rank, dp_size = data_parallel_rank(accelerator)
     cp_size = context_parallel_size(accelerator)
     digest = config_digest(cfg)
@@ -40,9 +44,11 @@ def train(cfg: dict, resume: str | None) -> dict:
     # ---- everything that can refuse the run happens before the first step
     checkpoint = checkpoint_to_resume(out, resume, cfg, dp_size)
     check_parallelism(cfg, cp_size)
+    check_precision(cfg, accelerator.mixed_precision)
+    check_quantization(cfg, accelerator)
     with accelerator.main_process_first():
         model_path, base_record = resolve_model(cfg["model"]["path"])
-    tokenizer, model, info = load_patched(model_path, cfg)
+    tokenizer, model, info = load_patched(model_path, cfg, accelerator.device)
     # PoSE trains at the original window and evaluates at the patched one it stretches to
     pose = run["pose"]
     seq_len = cfg["data"]["seq_len"] or (info.original_window if pose else info.max_length)
@@ -51,8 +57,8 @@ def train(cfg: dict, resume: str | None) -> dict:
     if pose:
         check_pose_length(seq_len, info.original_window)
     with accelerator.main_process_first():  # the first rank fills the token cache for the others
-        train_docs = load_documents(cfg["data"], "exclude", tokenizer)
-        eval_docs = load_documents(cfg["eval"], "include", tokenizer) if cfg["eval"]["every"] else None
+        train_docs = load_documents(cfg["data"], "exclude", tokenizer, cfg["data"]["num_proc"])
+        eval_docs = load_documents(cfg["eval"], "include", tokenizer, cfg["data"]["num_proc"]) if cfg["eval"]["every"] else None
     sequences = pack(token_stream(train_docs, tokenizer.eos_token_id), seq_len)
     check_sequences(sequences, seq_len, run["batch_size"], dp_size)
     if eval_docs is not None:
@@ -69,31 +75,37 @@ def train(cfg: dict, resume: str | None) -> dict:
     n_total = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = adamw_cosine(model, run["lr"], run["weight_decay"], run["warmup_steps"], run["max_steps"])
     model, optimizer = prepare(accelerator, model, optimizer, scheduler, run["batch_size"])
-    start, evals = start_or_resume(accelerator, out, cfg, dp_size, checkpoint)
+    keep_trained_state_only(accelerator)
+    start, evals, history = start_or_resume(accelerator, out, cfg, dp_size, checkpoint)
+    if cfg["output"]["log_with"]:
+        accelerator.init_trackers("logs", config=tracker_config(cfg))  # under OUT/logs
 
     # ---- training
     order = DataOrder(len(sequences), run["seed"], run["batch_size"], run["grad_accum"], dp_size)
     tokens_per_step = run["batch_size"] * seq_len * run["grad_accum"] * dp_size
     positions = SkipPositions(seq_len, info.max_length, run["seed"]) if pose else None
-    held_out = HeldOut(accelerator, model, eval_docs, eval_len, attention, evals) if eval_docs is not None else None
+    half = cfg["model"]["dtype"] != "float32"
+    held_out = HeldOut(accelerator, model, eval_docs, eval_len, attention, evals, half) if eval_docs is not None else None
     if held_out is not None and start == 0:
         held_out(0)  # before the clock starts
     model.train()
     progress = Progress(run["max_steps"], start, tokens_per_step, disable=not main,
                         desc=f"{info.method} x{info.factor:g} @ {seq_len} ({n_trainable / 1e6:.2f}M of {n_total / 1e6:.1f}M trainable)")
-    losses = RecentLoss()
+    losses, log_step = RecentLoss(), StepLog(accelerator, history)
     for step in range(start, run["max_steps"]):
         batches = ((sequences[order.indices(step, micro, dp_rank)],
                     positions(order.samples(step, micro, dp_rank)) if pose else None) for micro in range(run["grad_accum"]))
-        losses.add(train_step(accelerator, model, optimizer, scheduler, batches, run, cp_size))
+        lr = scheduler.get_last_lr()[0]
+        loss = train_step(accelerator, model, optimizer, scheduler, batches, run, cp_size)
+        losses.add(loss)
         done = step + 1
-        progress.step(done, losses.mean, scheduler.get_last_lr()[0])
+        log_step(done, loss, lr, progress.step(done, losses.mean, lr))
         if held_out is not None and (done % cfg["eval"]["every"] == 0 or done == run["max_steps"]):
             with progress.paused():
                 held_out(done)
         if cfg["output"]["save_every"] and done % cfg["output"]["save_every"] == 0 and done < run["max_steps"]:
             with progress.paused():
-                save_checkpoint(accelerator, out, done, digest, cfg["output"]["keep"], evals)
+                save_checkpoint(accelerator, out, done, digest, cfg["output"]["keep"], evals, history)
     seconds = progress.close()
 
     # ---- outputs
@@ -117,13 +129,14 @@ def train(cfg: dict, resume: str | None) -> dict:
             "tokens_per_s": round(tokens_per_step * (run["max_steps"] - start) / seconds),
             "final_loss": round(losses.mean, 5) if losses.values else None,
             "evals": sorted(evals, key=lambda e: e["step"]),
+            "history": history,
             "processes": accelerator.num_processes,
             "data_parallel_size": dp_size,
             "distributed_type": accelerator.distributed_type.name,
             "mixed_precision": accelerator.mixed_precision,
             "rank_digests": rank_digests,
         }
-        write_outputs(out, log, unwrapped, tokenizer, cfg["output"]["merge"])
+        write_outputs(out, log, unwrapped, tokenizer)
         print(f"rope-ext: fine-tune written to {out}")
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, cast_mixed_precision_params, get_peft_model, prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rope_ext
@@ -28,10 +28,26 @@ def resolve_model(name: str) -> tuple[str, str]:
     return name, name  # a hub id
 
 
-def load_patched(path: str, cfg: dict):
-    """(tokenizer, fp32 model patched as cfg["patch"] says, the PatchInfo)."""
+def load_kwargs(cfg: dict, device) -> dict:
+    """What `from_pretrained` needs for cfg["model"]: the base's dtype and, for QLoRA, the 4-bit
+    quantization (bitsandbytes places the packed weights on `device` as it loads them)."""
+    dtype = getattr(torch, cfg["model"]["dtype"])
+    kwargs = {"dtype": dtype, "attn_implementation": cfg["model"]["attn_implementation"]}
+    if cfg["model"]["load_in_4bit"]:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+        )
+        kwargs["device_map"] = {"": device}
+    return kwargs
+
+
+def load_patched(path: str, cfg: dict, device):
+    """(tokenizer, model patched as cfg["patch"] says, the PatchInfo), the base loaded as
+    cfg["model"] says."""
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=cfg["model"]["attn_implementation"])
+    model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs(cfg, device))
     try:
         info = rope_ext.patch(model, cfg["patch"]["method"], cfg["patch"]["factor"], **cfg["patch"]["params"])
     except ValueError as err:
@@ -62,7 +78,11 @@ def trainable_extras(model, cfg: dict) -> list[str]:
 
 def lora_model(model, cfg: dict, targets: list[str]):
     """The peft model to train: the LoRA of cfg["lora"] on `targets` (plus LongLoRA's extras),
-    with activation checkpointing as cfg["training"] says and no KV cache."""
+    with activation checkpointing as cfg["training"] says and no KV cache. The trainable weights
+    are float32 whatever the base's dtype: AdamW's small updates vanish in half-precision weights."""
+    if cfg["model"]["load_in_4bit"]:
+        # peft's QLoRA preparation: frozen base, the layers bitsandbytes left unquantized in float32
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg["training"]["gradient_checkpointing"]:
         model.activation_checkpointing_enable({"use_reentrant": False})
     model.config.use_cache = False
@@ -73,4 +93,7 @@ def lora_model(model, cfg: dict, targets: list[str]):
         # a trained copy of tied input embeddings must stay tied to the LM head
         ensure_weight_tying=cfg["lora"]["train_embeddings"] and bool(getattr(model.config, "tie_word_embeddings", False)),
     )
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if cfg["model"]["dtype"] != "float32" and not cfg["model"]["load_in_4bit"]:
+        cast_mixed_precision_params(model, getattr(torch, cfg["model"]["dtype"]))
+    return model

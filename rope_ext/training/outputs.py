@@ -1,5 +1,5 @@
 """What a fine-tune leaves in its output folder: the adapter, the tokenizer, the fine-tune record,
-train_log.json, results.md and, if asked, the merged weights."""
+train_log.json, results.md, loss.png and, if asked, the merged weights."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 
 from rope_ext.saving import load_finetuned, save_record
 
@@ -20,16 +21,33 @@ def save_adapter(accelerator, model, out: Path):
     return unwrapped
 
 
-def write_outputs(out: Path, log: dict, model, tokenizer, merge: bool) -> None:
+def write_outputs(out: Path, log: dict, model, tokenizer) -> None:
     """Everything but the adapter, from the main process: `model` is the unwrapped peft model."""
     tokenizer.save_pretrained(out)
     save_record(out, log["base_model"], model, {"seq_len": log["seq_len"]})
     (out / "train_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
     write_results(out, log)
-    if merge:
-        merged = load_finetuned(out, merge=True, dtype=torch.float32)
+    loss_figure(log).savefig(out / "loss.png", dpi=100)
+    if log["config"]["output"]["merge"]:
+        # the adapter folded into the base in the dtype it trained on (a 4-bit base unquantized)
+        merged = load_finetuned(out, merge=True, dtype=getattr(torch, log["config"]["model"]["dtype"]))
         merged.save_pretrained(out / "merged")
         tokenizer.save_pretrained(out / "merged")
+
+
+def loss_figure(log: dict) -> Figure:
+    """The training loss of every step and the held-out NLL of every eval (both nats per token)."""
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.subplots()
+    ax.plot([h["step"] for h in log["history"]], [h["loss"] for h in log["history"]], lw=1, label="training loss (per step)")
+    if log["evals"]:
+        ax.plot([e["step"] for e in log["evals"]], [e["nll"] for e in log["evals"]], "o-",
+                label="held-out NLL")
+    patch = log["config"]["patch"]
+    ax.set(xlabel="optimizer step", ylabel="nats per token", title=f"{patch['method']} x{patch['factor']} at {log['seq_len']} tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
 
 
 def write_results(out: Path, log: dict) -> None:
