@@ -15,6 +15,7 @@ import sys
 import time
 
 import rope_ext
+from rope_ext import arguments
 from rope_ext.method.base import check_factor
 
 from . import data as data_mod
@@ -89,35 +90,6 @@ def markdown(report: dict) -> str:
 
 def bucket_ppl(method_result: dict, length: str) -> dict:
     return {(b["start"], b["end"]): b["ppl"] for b in method_result["ppl"][length]["buckets"]}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
-                        help="methods to compare: METHOD or METHOD:KEY=VALUE[,KEY=VALUE], 'plain' = unpatched "
-                             f"(default: {' '.join(default_methods())})")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="evaluation lengths (default: window/2, window, 2 x window)")
-    parser.add_argument("--factor", type=float, default=None,
-                        help="factor for every patched method (default: longest length / window, at least 2)")
-    parser.add_argument("--param", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                        help="a parameter for one method, repeatable (e.g. dynamic:granularity=512)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="slide windows over whole documents with this stride (default: first L tokens only)")
-    parser.add_argument("--bucket", type=int, default=None,
-                        help="width of the position buckets of the longest length (default: longest length / 8)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
-                        help="BOS at the start of every window (default: as the tokenizer does)")
-    parser.add_argument("--passkey-depths", type=float, nargs="+", default=[0.5], metavar="D",
-                        help="passkey key depths (default: 0.5)")
-    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="passkey prompt lengths (default: every --lengths)")
-    parser.add_argument("--passkey-trials", type=int, default=1, help="passkey trials per (length, depth) (default: 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=10, help="passkey answer tokens (default: 10)")
-    parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
-    loading.add_model_arguments(parser, method=False)
-    data_mod.add_data_arguments(parser)
-    parser.set_defaults(data=data_mod.GUTENBERG_JOINED, limit=1)
-    output.add_output_arguments(parser)
 
 
 def check(args: argparse.Namespace):
@@ -196,7 +168,7 @@ def run(args: argparse.Namespace, plan) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext compare", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    arguments.compare(parser)
     args = parser.parse_args(argv)
     return run(args, check(args))
 

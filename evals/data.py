@@ -14,9 +14,8 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-GUTENBERG = "gutenberg"  # each play one document
-# the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
-GUTENBERG_JOINED = "gutenberg-joined"
+from rope_ext.arguments import GUTENBERG, GUTENBERG_JOINED
+
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 BINARY_PROBE = 8192  # bytes of a file searched for a NUL byte
 
@@ -28,22 +27,6 @@ class Document:
 
     def __len__(self) -> int:
         return self.ids.numel()
-
-
-def add_data_arguments(parser) -> None:
-    group = parser.add_argument_group("data")
-    group.add_argument(
-        "--data", default=GUTENBERG, metavar="SOURCE",
-        help=f"'{GUTENBERG}' (each embedded Gutenberg play is a document), '{GUTENBERG_JOINED}' (the first six "
-             "plays as one document), a local text file, a folder of text/JSONL files, or a `datasets` id such as "
-             "emozilla/pg19-test (needs a reachable hub) (default: gutenberg)",
-    )
-    group.add_argument("--data-split", default="test", help="split of a `datasets` source (default: test)")
-    group.add_argument("--data-field", default="text", help="text field of a `datasets` or JSONL source (default: text)")
-    group.add_argument("--min-tokens", type=int, default=0, help="skip documents shorter than this many tokens")
-    group.add_argument("--limit", type=int, default=None, help="use at most this many documents (after --min-tokens)")
-    group.add_argument("--seed", type=int, default=None,
-                       help="with --limit: pick the documents at random with this seed instead of the first ones")
 
 
 def _read_text(path: Path) -> str:
@@ -122,7 +105,7 @@ def _looks_like_path(source: str) -> bool:
 
 
 def iter_texts(source: str = GUTENBERG, split: str = "test", field: str = "text") -> Iterator[tuple[str, str]]:
-    """(name, text) for every document of `source` (see add_data_arguments). The source is
+    """(name, text) for every document of `source` (see rope_ext.arguments.data_arguments). The source is
     opened and checked by this call, before the first document is asked for."""
     from rope_ext.defaults import gutenberg_documents, gutenberg_text
 

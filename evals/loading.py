@@ -9,34 +9,10 @@ from pathlib import Path
 
 import rope_ext
 from rope_ext import method as registry
+from rope_ext.arguments import DTYPES, PLAIN
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 
-PLAIN = "plain"  # the unpatched model
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def add_model_arguments(parser, *, method: bool = True) -> None:
-    """--model/--dtype/--device/--attn-implementation, and with `method` also
-    --method/--factor/--param/--original-window."""
-    group = parser.add_argument_group("model")
-    group.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                       help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)")
-    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype (default: float32)")
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
-    group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
-    group.add_argument("--chunk-size", type=int, default=None, metavar="N",
-                       help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
-                            "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
-                            "(default: one forward per input)")
-    if method:
-        names = ", ".join([PLAIN, *rope_ext.methods()])
-        group.add_argument("--method", default=PLAIN, help=f"one of: {names} (default: plain = unpatched)")
-        group.add_argument("--factor", type=float, default=None, help="scale relative to the original window (required unless plain)")
-        group.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                           help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)")
-        group.add_argument("--original-window", type=int, default=None,
-                           help="the pretraining window, for checkpoints whose config does not record it")
 
 
 def parse_value(text: str):
@@ -200,7 +176,7 @@ def describe_setup(model, info, method: str, params: dict, chunk_size: int | Non
 
 
 def check_model_args(args) -> dict:
-    """The method parameters of the arguments add_model_arguments added, after checking every one
+    """The method parameters of the arguments rope_ext.arguments.model_arguments added, after checking every one
     of them; call it before model_from_args."""
     params = parse_params(args.param)
     check_method(args.method, args.factor, params)

@@ -12,15 +12,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-DEFAULT_ROOT = "rope-ext-results"
+from rope_ext.arguments import DEFAULT_ROOT
 
-
-def add_output_arguments(parser) -> None:
-    group = parser.add_argument_group("output")
-    group.add_argument("--output", default=None, metavar="DIR",
-                       help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)")
-    group.add_argument("--overwrite", action="store_true", help="replace result files that already exist in --output")
-    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 class ResultFolder:

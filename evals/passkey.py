@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from rope_ext import arguments
+from rope_ext.arguments import DEFAULT_DEPTHS
 from rope_ext.chunked import chunked_generate
 
 from . import loading, output
@@ -31,7 +33,6 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 KEY_RANGE = (1, 50000)
-DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 @dataclass(frozen=True)
@@ -174,19 +175,6 @@ def default_lengths(model, tokenizer) -> list[int]:
     return sorted({n for n in (limit // 4, limit // 2, limit) if n >= shortest} or {limit})
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)")
-    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS), metavar="D",
-                        help="where the key sits in the filler, 0 = start, 1 = end (default: 0.1 0.3 0.5 0.7 0.9)")
-    parser.add_argument("--trials", type=int, default=5, help="trials per (length, depth) cell (default: 5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default: 0)")
-    parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
-    parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
-    loading.add_model_arguments(parser)
-    output.add_output_arguments(parser)
-
-
 def check_grid(lengths: list[int] | None, depths: list[float], trials: int, max_new_tokens: int) -> None:
     """--lengths, --depths, --trials and --max-new-tokens, before anything loads."""
     if lengths is not None and any(n < 1 for n in lengths):
@@ -234,7 +222,7 @@ def run(args: argparse.Namespace, plan) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext eval passkey", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    arguments.passkey(parser)
     args = parser.parse_args(argv)
     return run(args, check(args))
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from rope_ext import arguments
 from rope_ext.chunked import chunked_forward, token_nll
 
 from . import data as data_mod
@@ -304,21 +305,6 @@ def markdown(results: dict, setup: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", required=True, metavar="N",
-                        help="window lengths in tokens (e.g. 4096 8192 16384)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="tokens between window starts (default: the length, non-overlapping; YaRN used 256)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
-                        help="feed BOS at the start of every window (default: as the tokenizer does)")
-    parser.add_argument("--truncate", action="store_true",
-                        help="cut each document to its first LENGTH tokens: one window per document (YaRN's --truncate)")
-    parser.add_argument("--bucket", type=int, default=None, help="width of the position buckets (default: max length / 8)")
-    loading.add_model_arguments(parser)
-    data_mod.add_data_arguments(parser)
-    output.add_output_arguments(parser)
-
-
 def check_windows(lengths: list[int] | None, stride: int | None, bucket: int | None) -> None:
     """--lengths, --stride and --bucket, before anything loads (`lengths` None: they follow from
     the model, and the stride is held against them once it is known)."""
@@ -374,7 +360,7 @@ def run(args: argparse.Namespace, plan) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="rope-ext eval ppl", description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
+    arguments.perplexity(parser)
     args = parser.parse_args(argv)
     return run(args, check(args))
 

@@ -1,7 +1,8 @@
-"""The `rope-ext` command. Each subcommand lives in its own module with `add_arguments(parser)`,
-`check(args) -> plan` (every argument, path and spec checked before any work starts) and
-`run(args, plan) -> exit code`; this file only routes. Only the module of the command given is
-imported, so `--help` does not load torch for the commands it does not describe.
+"""The `rope-ext` command. Each subcommand's arguments are a function of rope_ext.arguments, which
+imports only the standard library, so every `--help` answers at once; the subcommand itself lives
+in its own module with `check(args) -> plan` (every argument, path and spec checked before any
+work starts) and `run(args, plan) -> exit code`, imported once the arguments are parsed. This file
+only routes.
 
 Exit codes: 0 done, 1 a failure while the command ran, 2 a usage error (argparse's, or one that
 `check` found)."""
@@ -14,24 +15,23 @@ import platform
 import sys
 from importlib import metadata
 
-# name -> (module, one-line help); "eval X" commands are nested under `eval`
+from rope_ext import arguments
+
+# name -> (module, its arguments in rope_ext.arguments, one-line help); "eval X" commands are nested under `eval`
 COMMANDS = {
-    "demo": ("rope_ext.demo", "SmolLM2 past its window: plain vs patched perplexity (offline)"),
-    "methods": ("rope_ext.cli", "list the scaling methods and their parameters"),
-    "env": ("rope_ext.cli", "versions, device, bf16 support and threads, for bug reports"),
-    "eval ppl": ("rope_ext.evals.perplexity", "sliding-window perplexity of long documents"),
-    "eval passkey": ("rope_ext.evals.passkey", "passkey retrieval over lengths x depths"),
-    "compare": ("rope_ext.evals.compare", "methods x lengths on one model: perplexity and passkey"),
-    "convert-chatglm": ("rope_ext.patches.chatglm.convert", "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
+    "demo": ("rope_ext.demo", arguments.demo, "SmolLM2 past its window: plain vs patched perplexity (offline)"),
+    "methods": ("rope_ext.cli", arguments.no_arguments, "list the scaling methods and their parameters"),
+    "env": ("rope_ext.cli", arguments.no_arguments, "versions, device, bf16 support and threads, for bug reports"),
+    "eval ppl": ("rope_ext.evals.perplexity", arguments.perplexity, "sliding-window perplexity of long documents"),
+    "eval passkey": ("rope_ext.evals.passkey", arguments.passkey, "passkey retrieval over lengths x depths"),
+    "compare": ("rope_ext.evals.compare", arguments.compare, "methods x lengths on one model: perplexity and passkey"),
+    "convert-chatglm": ("rope_ext.patches.chatglm.convert", arguments.convert_chatglm,
+                        "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
 }
 # `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered.
 LM_EVAL = "lm-eval"
 USAGE, FAILURE = 2, 1
 PACKAGES = ("rope-ext", "torch", "transformers", "peft", "accelerate", "lm-eval")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`rope-ext methods` and `rope-ext env` take no arguments."""
 
 
 def check(args: argparse.Namespace) -> None:
@@ -86,21 +86,19 @@ def selected(argv: list[str]) -> str | None:
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """Every command listed; the arguments only of `command` (its module is imported)."""
+    """Every command listed; the arguments only of `command`."""
     parser = argparse.ArgumentParser(prog="rope-ext", description="Extend the context window of HuggingFace models.")
     parser.epilog = f"also: rope-ext {LM_EVAL} ... (lm-eval's command line with --model rope_ext)"
     parser.add_argument("--version", action="version", version=f"rope-ext {version('rope-ext')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     nested = {}
-    for name, (module, help_text) in COMMANDS.items():
+    for name, (_, add_arguments, help_text) in COMMANDS.items():
         group, _, leaf = name.rpartition(" ")
         if group and group not in nested:
             nested[group] = sub.add_parser(group, help=f"{group} subcommands").add_subparsers(dest="subcommand", required=True)
         parser_of_command = (nested[group] if group else sub).add_parser(leaf, help=help_text, description=help_text)
         if name == command:
-            target = importlib.import_module(module)
-            target.add_arguments(parser_of_command)
-            parser_of_command.set_defaults(target=target)
+            add_arguments(parser_of_command)
     return parser
 
 
@@ -121,15 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         return lm_eval_main(argv[1:])
     args = build_parser(selected(argv)).parse_args(argv)
     name = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
+    target = importlib.import_module(COMMANDS[name][0])
     try:
-        plan = args.target.check(args)
+        plan = target.check(args)
     except (ValueError, OSError) as err:
         print(f"rope-ext {name}: error: {err}", file=sys.stderr)
         return USAGE
     if getattr(args, "no_progress", False):
         quiet_libraries()
     try:
-        return args.target.run(args, plan)
+        return target.run(args, plan)
     except (ValueError, OSError) as err:
         print(f"rope-ext {name}: failed: {err}", file=sys.stderr)
         return FAILURE

@@ -11,16 +11,6 @@ import argparse
 from rope_ext.defaults import gutenberg_text
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--length", type=int, default=16384, help="tokens read in one forward (default 16384 = 2x the window)")
-    parser.add_argument("--methods", default="plain,ntk,yarn", help="comma-separated; plain = unpatched")
-    parser.add_argument("--factor", type=float, default=4.0, help="scale for every patched method (default 4)")
-    parser.add_argument("--bucket", type=int, default=2048, help="width of the position buckets in the table")
-    from rope_ext.evals.output import add_output_arguments
-
-    add_output_arguments(parser)
-
-
 def check(args: argparse.Namespace):
     """(method specs as (label, method, factor), result folder): every argument checked before the
     model loads."""

@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rope_ext.arguments import ROPE_RATIO_MEANINGS as MEANINGS
+
 from ..base import unwrap
 from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
-MEANINGS = ("base", "positions")
 # how messages name the rope_ratio_meaning option: convert_chatglm's keyword, the command's flag
 PYTHON_SPELLING = "rope_ratio_meaning={!r}"
 CLI_SPELLING = "--rope-ratio-meaning {}"
@@ -300,18 +301,6 @@ def convert_chatglm(src, dst, *, rope_ratio_meaning: str | None = None, dtype: t
         dst=dst, rope_parameters=dict(glm_config.rope_parameters), rope_ratio=float(config.get("rope_ratio", 1)),
         rope_ratio_meaning=meaning, meaning_from=meaning_from, tensors=len(tensors), copied=copied,
     )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", help="remote-code ChatGLM2/3 or GLM-4 checkpoint folder")
-    parser.add_argument("dst", help="folder for the native transformers GLM checkpoint")
-    parser.add_argument(
-        "--rope-ratio-meaning", choices=MEANINGS, default=None,
-        help="what rope_ratio does when the checkpoint's modeling file does not say: 'base' (ChatGLM3-6B-32K, "
-        "GLM-4: base = 10000 * rope_ratio) or 'positions' (ChatGLM2-6B-32K: positions / rope_ratio)",
-    )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest weight file written (default 5GB)")
 
 
 def check(args: argparse.Namespace) -> None:
