@@ -1,6 +1,7 @@
 """Methods x lengths on one model (`rope-ext compare`): perplexity and passkey retrieval for each
 method at each length, as one table (markdown + JSON) and one figure (PPL vs length and by position,
-one line per method, the original window marked; passkey accuracy per method).
+one line per method, the original window marked; passkey accuracy per method), and with
+--ruler-samples the score of one of lm-eval's RULER tasks per method and length.
 
 By default each document is cut to each length (one window per document, as YaRN's --truncate)
 and one forward at the longest length serves every shorter one where that is exact (see
@@ -10,9 +11,13 @@ perplexity.py); --stride switches to sliding windows over whole documents.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import time
+from importlib import resources
+
+import yaml
 
 import rope_ext
 from rope_ext import arguments
@@ -20,6 +25,10 @@ from rope_ext.method.base import check_factor
 
 from . import data as data_mod
 from . import loading, output, passkey, perplexity
+
+RULER_TASK = "niah_single_1"  # one needle in a repeated filler: no download (docs/evals.md, "Standard suites")
+RULER_SAMPLES = 500  # what lm-eval's RULER tasks build per length
+
 
 def default_methods() -> list[str]:
     return [loading.PLAIN, *rope_ext.methods()]
@@ -61,13 +70,18 @@ def markdown(report: dict) -> str:
     lengths = setup["lengths"]
     pk = setup["passkey"] is not None
     pk_lengths = setup["passkey"]["lengths"] if pk else []
-    header = ["method", "factor"] + [f"PPL @{n}" for n in lengths] + [f"passkey @{n}" for n in pk_lengths]
+    ruler = setup["ruler"]
+    ruler_lengths = ruler["lengths"] if ruler else []
+    header = (["method", "factor"] + [f"PPL @{n}" for n in lengths] + [f"passkey @{n}" for n in pk_lengths]
+              + [f"{ruler['task']} @{n}" for n in ruler_lengths])
     rows = []
     for m in rows_in:
         row = [m["label"], "-" if m["factor"] is None else f"{m['factor']:g}"]
         row += [m["ppl"][str(n)]["ppl"] for n in lengths]
         if pk:
             row += [m["passkey"]["by_length"].get(n) for n in pk_lengths]
+        if ruler:
+            row += [m["ruler"]["by_length"][n] for n in ruler_lengths]
         rows.append(row)
     text = (f"# rope-ext compare: {setup['model']}\n\n"
             f"Original window {setup['original_window']} tokens. PPL: token-weighted, data {setup['data']} "
@@ -76,6 +90,10 @@ def markdown(report: dict) -> str:
     if pk:
         text += (f" Passkey: accuracy over depths {setup['passkey']['depths']} x {setup['passkey']['trials']} trial(s), "
                  f"greedy {setup['passkey']['max_new_tokens']} tokens.")
+    if ruler:
+        counts = sorted(set(ruler["samples"].values()))
+        text += (f" {ruler['task']}: lm-eval's RULER task, share of the needles the answer holds, over "
+                 f"{'/'.join(map(str, counts))} sample(s) per length.")
     text += "\n\n" + output.markdown_table(header, rows)
     longest = str(lengths[-1])
     buckets = [(b["start"], b["end"]) for b in rows_in[0]["ppl"][longest]["buckets"]] if rows_in else []
@@ -92,6 +110,66 @@ def bucket_ppl(method_result: dict, length: str) -> dict:
     return {(b["start"], b["end"]): b["ppl"] for b in method_result["ppl"][length]["buckets"]}
 
 
+def ruler_tasks() -> list[str]:
+    """The tasks of lm-eval's `ruler` group (its ruler.yaml): each reports one score per length."""
+    group = resources.files("lm_eval.tasks") / "ruler" / "ruler.yaml"
+    return yaml.safe_load(group.read_text())["task"]
+
+
+def check_ruler(args: argparse.Namespace) -> None:
+    """The RULER options, before the model loads."""
+    if args.ruler_samples is None:
+        for option, value in (("--ruler-task", args.ruler_task), ("--ruler-lengths", args.ruler_lengths)):
+            if value is not None:
+                raise ValueError(f"{option} needs --ruler-samples K (the samples per method and length)")
+        return
+    if not 1 <= args.ruler_samples <= RULER_SAMPLES:
+        raise ValueError(f"--ruler-samples {args.ruler_samples}: RULER builds {RULER_SAMPLES} samples per length; "
+                         f"choose 1 to {RULER_SAMPLES}")
+    if any(n < 1 for n in args.ruler_lengths or []):
+        raise ValueError(f"--ruler-lengths must be positive, got {args.ruler_lengths}")
+    if importlib.util.find_spec("wonderwords") is None:
+        raise ValueError("--ruler-samples: lm-eval's RULER tasks need the wonderwords package: pip install 'rope-ext[ruler]'")
+    known = ruler_tasks()
+    if (args.ruler_task or RULER_TASK) not in known:
+        raise ValueError(f"--ruler-task {args.ruler_task!r} is not a RULER task; choose from {', '.join(known)}")
+
+
+class Ruler:
+    """One of lm-eval's RULER tasks for every method: its prompts are built once, with the
+    evaluated checkpoint's tokenizer, and every method answers the same first `samples` prompts of
+    each length (lm-eval's --limit would take the first length's only)."""
+
+    def __init__(self, task: str, lengths: list[int], samples: int, model_name: str | None):
+        from lm_eval.tasks import TaskManager
+
+        from .lm_eval_model import with_task_tokenizer
+
+        self.lengths = lengths
+        self.manager = TaskManager(metadata=with_task_tokenizer({"pretrained": model_name}, {"max_seq_lengths": lengths}))
+        self.task = self.manager.load([task])["tasks"][task]
+        picked = {n: [] for n in lengths}
+        for index, length in enumerate(self.task.eval_docs["max_length"]):
+            if len(picked[length]) < samples:
+                picked[length].append(index)
+        self.indices = sorted(i for chosen in picked.values() for i in chosen)
+        self.samples = {n: len(chosen) for n, chosen in picked.items()}
+
+    def setup(self) -> dict:
+        return {"task": self.task.task_name, "lengths": self.lengths, "samples": self.samples}
+
+    def scores(self, model_args: dict) -> dict[int, float]:
+        """{length: score in [0, 1]} of the rope_ext model type built from `model_args`."""
+        import lm_eval
+
+        from .lm_eval_model import RopeExtLM
+
+        name = self.task.task_name
+        out = lm_eval.simple_evaluate(model=RopeExtLM(**model_args), tasks=[self.task], task_manager=self.manager,
+                                      samples={name: self.indices}, log_samples=False, bootstrap_iters=0)
+        return {n: out["results"][name][f"{n},none"] for n in self.lengths}
+
+
 def check(args: argparse.Namespace):
     """(runs, texts, result folder): every argument and method spec checked before the model
     loads. Without --factor the factor follows from the model's window, so the specs are checked
@@ -104,6 +182,7 @@ def check(args: argparse.Namespace):
     perplexity.check_windows(args.lengths, args.stride, args.bucket)
     if not args.no_passkey:
         passkey.check_grid(args.passkey_lengths, args.passkey_depths, args.passkey_trials, args.max_new_tokens)
+    check_ruler(args)
     loading.check_model(args.model, args.device)
     texts = data_mod.texts_from_args(args)
     out = output.ResultFolder(args.output, "compare", ["compare.json", "compare.md", "compare.png"], args.overwrite).claim()
@@ -127,6 +206,9 @@ def run(args: argparse.Namespace, plan) -> int:
         if passkey_lengths[0] < shortest:
             raise ValueError(f"length {passkey_lengths[0]} is too small for the passkey prompt ({shortest} tokens); "
                              "raise --lengths / --passkey-lengths or pass --no-passkey")
+    ruler = None
+    if args.ruler_samples is not None:
+        ruler = Ruler(args.ruler_task or RULER_TASK, sorted(set(args.ruler_lengths or lengths)), args.ruler_samples, args.model)
 
     report = {"setup": {
         "model": loading.model_label(model), "original_window": window, "lengths": lengths,
@@ -134,6 +216,7 @@ def run(args: argparse.Namespace, plan) -> int:
         "document_tokens": [len(d) for d in documents], "stride": args.stride, "bos": bos,
         "passkey": None if args.no_passkey else {"lengths": passkey_lengths, "depths": args.passkey_depths, "trials": args.passkey_trials,
                                                  "seed": args.seed or 0, "max_new_tokens": args.max_new_tokens},
+        "ruler": None if ruler is None else ruler.setup(),
     }, "methods": [], "provenance": output.provenance(model, args.model)}
     for label, method, params in runs:
         print(f"rope-ext compare: {label}", file=sys.stderr)
@@ -141,13 +224,22 @@ def run(args: argparse.Namespace, plan) -> int:
         info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, params)
         loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
         ppl = perplexity.evaluate(model, documents, lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                                  truncate=args.stride is None, bucket=args.bucket, progress=not args.no_progress)
+                                  truncate=args.stride is None, bucket=args.bucket, chunk_size=getattr(args, "chunk_size", None),
+                                  progress=not args.no_progress)
         result = {"label": label, "method": method, "params": params, "factor": None if info is None else info.factor,
                   "patch": None if info is None else info.to_dict(), "ppl": {str(n): r for n, r in ppl.items()}}
         if not args.no_passkey:
-            answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens)
+            answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens, chunk_size=getattr(args, "chunk_size", None))
             result["passkey"] = passkey.run_trials(answer, tokenizer, passkey_lengths, args.passkey_depths,
                                                    args.passkey_trials, args.seed or 0, progress=not args.no_progress)
+        if ruler is not None:
+            # the same model as the columns before, loaded again by the rope_ext model type: the
+            # scores are what `rope-ext lm-eval --model rope_ext` reports for this spec. max_length
+            # covers the longest prompt, so lm-eval truncates none, past the window too.
+            model_args = {"pretrained": args.model, "method": method, "factor": None if method == loading.PLAIN else factor,
+                          **params, "dtype": args.dtype, "device": loading.resolve_device(args.device),
+                          "attn_implementation": args.attn_implementation, "max_length": ruler.lengths[-1]}
+            result["ruler"] = {"by_length": ruler.scores(model_args)}
         result["seconds"] = round(time.perf_counter() - started, 1)
         report["methods"].append(result)
         # written after every method, so a long run that is stopped keeps what finished

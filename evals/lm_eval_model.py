@@ -15,6 +15,10 @@ sees this type (importing this module registers it; run it through `rope-ext lm-
 (evals/tasks) to the task search path, and runs lm-eval's own command line. From Python, the same
 folder goes to `TaskManager(include_path=TASKS_DIR)`. A built model hands its tokenizer and
 max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it.
+
+lm-eval's RULER tasks build their prompts with a tokenizer they load themselves, named by the
+task metadata's `tokenizer` or `pretrained` key. `main` names the evaluated checkpoint there
+(`with_task_tokenizer`) for a rope_ext run, since its `pretrained` may be `smollm2` or absent.
 """
 
 from __future__ import annotations
@@ -109,6 +113,16 @@ class RopeExtLM(HFLM):
         log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
 
 
+def with_task_tokenizer(model_args: dict, metadata: dict) -> dict:
+    """`metadata` with `tokenizer` naming the evaluated checkpoint, unless model_args or metadata
+    already name a tokenizer. lm-eval hands the tasks model_args | metadata, and RULER's tasks load
+    the tokenizer under `tokenizer`, else `pretrained`: the rope_ext type's `smollm2` (or no
+    pretrained at all) names no folder a tokenizer loads from."""
+    if model_args.get("tokenizer") or metadata.get("tokenizer"):
+        return metadata
+    return {**metadata, "tokenizer": resolve_checkpoint(model_args.get("pretrained"))}
+
+
 def _cuda() -> bool:
     import torch
 
@@ -129,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     saved_argv = sys.argv
     sys.argv = ["rope-ext lm-eval", *argv]
     try:
-        cli.execute(cli.parse_args())
+        args = cli.parse_args()
+        if getattr(args, "model", None) == "rope_ext":
+            args.metadata = with_task_tokenizer(args.model_args or {}, args.metadata or {})
+        cli.execute(args)
     except ModelArgsError as err:
         print(f"rope-ext lm-eval: error: {err}", file=sys.stderr)
         return 2

@@ -123,23 +123,30 @@ def passkey_heatmap(accuracy: dict, model: str, method: str):
 
 def compare_figure(report: dict):
     """The figure of a `rope-ext compare` report (compare.json): PPL vs length and PPL by position
-    at the longest length side by side, and below them, when the report has it, passkey accuracy
-    per method and length (over depths and trials)."""
+    at the longest length side by side, and below them, when the report has them, passkey accuracy
+    per method and length (over depths and trials) and the RULER task's score per method and
+    length, side by side when both are there."""
     setup, methods = report["setup"], report["methods"]
     labels = [m["label"] + ("" if m["factor"] is None else f" x{m['factor']:g}") for m in methods]
     longest = str(max(int(n) for n in methods[0]["ppl"]))
-    passkey = all(m.get("passkey") for m in methods)
-    fig = plt.figure(figsize=(15, 5 + (0.3 * len(methods) + 1.5 if passkey else 0)), layout="constrained")
-    grid = fig.add_gridspec(2 if passkey else 1, 2, height_ratios=[5, 0.3 * len(methods) + 1.5] if passkey else None)
+    heatmaps = []  # (title, {label: {length: score in [0, 1]}})
+    if all(m.get("passkey") for m in methods):
+        heatmaps.append(("passkey retrieval", {label: {int(n): a for n, a in m["passkey"]["by_length"].items()}
+                                               for label, m in zip(labels, methods)}))
+    if all(m.get("ruler") for m in methods):
+        heatmaps.append((f"RULER {setup['ruler']['task']}", {label: {int(n): a for n, a in m["ruler"]["by_length"].items()}
+                                                             for label, m in zip(labels, methods)}))
+    below = 0.3 * len(methods) + 1.5
+    fig = plt.figure(figsize=(15, 5 + (below if heatmaps else 0)), layout="constrained")
+    grid = fig.add_gridspec(2 if heatmaps else 1, 2, height_ratios=[5, below] if heatmaps else None)
     by_length, by_position = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     _ppl_panels([_length_panel(by_length, {label: {int(n): r["ppl"] for n, r in m["ppl"].items()} for label, m in zip(labels, methods)}),
                  _position_panel(by_position, {label: m["ppl"][longest]["buckets"] for label, m in zip(labels, methods)})],
                 setup["original_window"])
     by_length.set_title("perplexity vs length")
     by_position.set_title(f"perplexity by position, {longest} tokens")
-    if passkey:
-        table = {label: {int(n): a for n, a in m["passkey"]["by_length"].items()} for label, m in zip(labels, methods)}
-        _heatmap(fig, fig.add_subplot(grid[1, :]), table, sorted({n for row in table.values() for n in row}),
-                 "method", "prompt length (tokens)", "passkey retrieval")
+    for column, (title, table) in enumerate(heatmaps):
+        ax = fig.add_subplot(grid[1, column] if len(heatmaps) == 2 else grid[1, :])
+        _heatmap(fig, ax, table, sorted({n for row in table.values() for n in row}), "method", "prompt length (tokens)", title)
     fig.suptitle(f"{model_name(setup['model'])}: rope-ext compare")
     return fig

@@ -130,6 +130,13 @@ def compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passkey-trials", type=int, default=1, help="passkey trials per (length, depth) (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="passkey answer tokens (default: 10)")
     parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
+    parser.add_argument("--ruler-samples", type=int, default=None, metavar="K",
+                        help="add a RULER column through lm-eval: K of the 500 samples RULER builds per length, for "
+                             "every method (default: no RULER; needs rope-ext[ruler])")
+    parser.add_argument("--ruler-task", default=None, metavar="TASK",
+                        help="which RULER task (default: niah_single_1, whose filler needs no download)")
+    parser.add_argument("--ruler-lengths", type=int, nargs="+", default=None, metavar="N",
+                        help="RULER lengths: prompt plus answer budget, as RULER counts them (default: every --lengths)")
     model_arguments(parser, method=False)
     data_arguments(parser)
     parser.set_defaults(data=GUTENBERG_JOINED, limit=1)

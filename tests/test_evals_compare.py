@@ -48,3 +48,36 @@ def test_bad_method_parameter_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="KEY=VALUE"):
         compare.main(["--methods", "dynamic:granularity", "--output", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
+    """--ruler-samples: lm-eval's niah_single_1 per method and length, beside perplexity and
+    passkey, in the JSON, the table and the figure."""
+    from rope_ext.evals import plots
+
+    out = tmp_path / "cmp"
+    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "--lengths", "384", "512", "--passkey-lengths", "384",
+            "--ruler-samples", "2", "--output", str(out), "--no-progress"]
+    with pytest.warns(UserWarning, match="plain at length 512"):
+        assert compare.main(argv) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert report["setup"]["ruler"] == {"task": "niah_single_1", "lengths": [384, 512], "samples": {"384": 2, "512": 2}}
+    for m in report["methods"]:
+        assert set(m["ruler"]["by_length"]) == {"384", "512"}
+        assert all(0.0 <= score <= 1.0 for score in m["ruler"]["by_length"].values())
+    table = (out / "compare.md").read_text()
+    assert "| method | factor | PPL @384 | PPL @512 | passkey @384 | niah_single_1 @384 | niah_single_1 @512 |" in table
+    assert "over 2 sample(s) per length" in table
+    titles = [ax.get_title() for ax in plots.compare_figure(report).axes]
+    assert "passkey retrieval" in titles and "RULER niah_single_1" in titles
+
+
+def test_bad_ruler_options_are_refused_before_loading(tmp_path):
+    base = ["--methods", "plain", "--output", str(tmp_path / "x")]
+    with pytest.raises(ValueError, match="--ruler-task 'nope' is not a RULER task; choose from niah_single_1"):
+        compare.main(base + ["--ruler-samples", "2", "--ruler-task", "nope"])
+    with pytest.raises(ValueError, match="RULER builds 500 samples per length"):
+        compare.main(base + ["--ruler-samples", "501"])
+    with pytest.raises(ValueError, match="--ruler-lengths needs --ruler-samples"):
+        compare.main(base + ["--ruler-lengths", "4096"])
+    assert not (tmp_path / "x").exists()
