@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = loading.load_model(args.model)
+    model, tokenizer = loading.load_model(args.model, "float32")
     info = loading.apply_method(model, args.method, args.factor)
     ids = tokenizer(next(iter_texts(GUTENBERG_JOINED))[1], add_special_tokens=False)["input_ids"][: args.tokens]
     docs = [Document(GUTENBERG_JOINED, torch.tensor(ids))]

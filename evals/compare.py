@@ -224,12 +224,12 @@ def run(args: argparse.Namespace, plan) -> int:
         info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, params)
         loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
         ppl = perplexity.evaluate(model, documents, lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                                  truncate=args.stride is None, bucket=args.bucket, chunk_size=getattr(args, "chunk_size", None),
+                                  truncate=args.stride is None, bucket=args.bucket, chunk_size=args.chunk_size,
                                   progress=not args.no_progress)
         result = {"label": label, "method": method, "params": params, "factor": None if info is None else info.factor,
                   "patch": None if info is None else info.to_dict(), "ppl": {str(n): r for n, r in ppl.items()}}
         if not args.no_passkey:
-            answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens, chunk_size=getattr(args, "chunk_size", None))
+            answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens, chunk_size=args.chunk_size)
             result["passkey"] = passkey.run_trials(answer, tokenizer, passkey_lengths, args.passkey_depths,
                                                    args.passkey_trials, args.seed or 0, progress=not args.no_progress)
         if ruler is not None:
@@ -237,7 +237,8 @@ def run(args: argparse.Namespace, plan) -> int:
             # scores are what `rope-ext lm-eval --model rope_ext` reports for this spec. max_length
             # covers the longest prompt, so lm-eval truncates none, past the window too.
             model_args = {"pretrained": args.model, "method": method, "factor": None if method == loading.PLAIN else factor,
-                          **params, "dtype": args.dtype, "device": loading.resolve_device(args.device),
+                          **params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                          "device": loading.resolve_device(args.device),
                           "attn_implementation": args.attn_implementation, "max_length": ruler.lengths[-1]}
             result["ruler"] = {"by_length": ruler.scores(model_args)}
         result["seconds"] = round(time.perf_counter() - started, 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import rope_ext
 from rope_ext import method as registry
-from rope_ext.arguments import DTYPES, PLAIN
+from rope_ext.arguments import AUTO, DTYPES, PLAIN
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 
@@ -49,16 +49,32 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def load_model(name: str | None = None, dtype: str = "float32", device: str | None = None, attn_implementation: str = "sdpa"):
+def resolve_dtype(dtype: str, device: str) -> str:
+    """`dtype`, with AUTO made bfloat16 where `device` computes it natively (a CPU with AVX512-BF16
+    or AMX, a CUDA GPU with bf16), else float32. Long evals in bf16 give the answers of fp32 on
+    SmolLM2 (docs/evals.md, "bf16"); without native support bf16 is emulated and slower."""
+    import torch
+
+    if dtype != AUTO:
+        return dtype
+    if device.startswith("cuda"):
+        native = torch.cuda.is_bf16_supported()
+    else:
+        native = any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return "bfloat16" if native else "float32"
+
+
+def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = None, attn_implementation: str = "sdpa"):
     """(model, tokenizer) in eval mode. `name` None is the embedded SmolLM2; a checkpoint saved
-    after `rope_ext.patch` comes back patched (rope_ext.from_pretrained)."""
+    after `rope_ext.patch` comes back patched (rope_ext.from_pretrained). `dtype` AUTO: see
+    resolve_dtype."""
     import torch
     from transformers import AutoTokenizer
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    torch_dtype = getattr(torch, dtype)
+    if dtype not in (AUTO, *DTYPES):
+        raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {dtype!r}")
     device = resolve_device(device)
+    torch_dtype = getattr(torch, resolve_dtype(dtype, device))
     if name in (None, DEFAULT_MODEL):
         from rope_ext.defaults import load_smollm2
 

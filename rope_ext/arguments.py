@@ -12,6 +12,7 @@ from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoin
 
 PLAIN = "plain"  # the unpatched model
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # bfloat16 where the device computes it natively, else float32 (rope_ext.evals.loading.resolve_dtype)
 GUTENBERG = "gutenberg"  # each play one document
 # the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
 GUTENBERG_JOINED = "gutenberg-joined"
@@ -27,7 +28,10 @@ def model_arguments(parser, *, method: bool = True) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, metavar="PATH_OR_ID",
                        help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)")
-    group.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype (default: float32)")
+    group.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES),
+                       help="weights and activations dtype; auto: bfloat16 on a CPU with native bf16 dot products "
+                            "(AVX512-BF16 or AMX) or a CUDA GPU with bf16, else float32; rotary angles stay fp32 "
+                            "(default: auto; results record the dtype)")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
     group.add_argument("--chunk-size", type=int, default=None, metavar="N",

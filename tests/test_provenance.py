@@ -12,7 +12,7 @@ import transformers
 from transformers import LlamaForCausalLM
 
 import rope_ext
-from rope_ext.evals import compare, output, passkey, perplexity
+from rope_ext.evals import compare, loading, output, passkey, perplexity
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
     assert record["rope_ext"] == rope_ext.__version__
     assert record["transformers"] == transformers.__version__
     assert record["torch"] == torch.__version__
-    assert (record["device"], record["dtype"]) == ("cpu", "float32")
+    assert (record["device"], record["dtype"]) == ("cpu", loading.resolve_dtype("auto", "cpu"))
     assert record["threads"] == torch.get_num_threads()
     assert record["model"] == str(tiny_path)
     assert abs(datetime.now(timezone.utc) - datetime.fromisoformat(record["date"])) < timedelta(minutes=10)
@@ -64,3 +64,13 @@ def test_passkey_and_compare_results_record_their_provenance(tiny_path, text_fil
         record = json.loads((tmp_path / folder / f"{name}.json").read_text())["provenance"]
         assert record["model"] == str(tiny_path) and record["threads"] == torch.get_num_threads()
         assert output.provenance_line(record) in (tmp_path / folder / f"{name}.md").read_text()
+
+
+@pytest.mark.parametrize("avx512_bf16, amx, expected", [(False, False, "float32"), (True, False, "bfloat16"),
+                                                        (False, True, "bfloat16")])
+def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert loading.resolve_dtype("auto", "cpu") == expected
+    assert loading.resolve_dtype("float32", "cpu") == "float32"  # an explicit dtype wins
+    assert loading.resolve_dtype("bfloat16", "cpu") == "bfloat16"

@@ -5,6 +5,7 @@ numbers)."""
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 import pytest
@@ -150,12 +151,14 @@ def test_the_token_cache_is_read_without_pickle(tmp_path, tiny_tokenizer, monkey
     monkeypatch.setenv("ROPE_EXT_CACHE", str(tmp_path))
     texts = [("one", "The grass is green. " * 20), ("two", "The sky is blue. " * 30)]
     first = training_data.tokenize_cached(texts, tiny_tokenizer)
-    assert [p.suffix for p in (tmp_path / "finetune-tokens").iterdir()] == [".safetensors"]
+    assert [p.suffix for p in (tmp_path / "finetune-tokens").iterdir()] == [".arrow"]
 
     def no_pickle(*args, **kwargs):
-        raise AssertionError("torch.load read the cache")
+        raise AssertionError("the cache was unpickled")
 
     monkeypatch.setattr(torch, "load", no_pickle)
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    monkeypatch.setattr(pickle, "loads", no_pickle)
     again = training_data.tokenize_cached(texts, tiny_tokenizer)
     assert [d.name for d in again] == ["one", "two"]
     assert all(torch.equal(a.ids, b.ids) for a, b in zip(first, again))
