@@ -13,6 +13,7 @@ cache; at 32k that is 0.3 GB here, which is why they run at 32k only.
 
     python bench/long_input.py                    # ~1 h on 2 CPU cores in fp32
     python bench/long_input.py --lengths 8192 16384 --others-at 8192     # a quick look
+    python bench/long_input.py --lengths 32768 131072 --others-at 0      # the ratios alone
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def run_case(method: str, length: int, dtype: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536, 131072], help="sink_window's lengths")
-    parser.add_argument("--others-at", type=int, default=32768, help="the length of the plain and self_extend runs")
+    parser.add_argument("--others-at", type=int, default=32768, help="the length of the plain and self_extend runs (0: none)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--case", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)  # one case, in a child
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-long-input-{time.strftime('%Y%m%d-%H%M%S')}.json"))
@@ -69,7 +70,9 @@ def main() -> None:
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose another --out")
 
-    cases = [("sink_window", n) for n in sorted(args.lengths)] + [("plain", args.others_at), ("self_extend", args.others_at)]
+    cases = [("sink_window", n) for n in sorted(args.lengths)]
+    if args.others_at:
+        cases += [("plain", args.others_at), ("self_extend", args.others_at)]
     results = []
     for method, length in cases:
         print(f"{method} at {length} tokens ...", file=sys.stderr, flush=True)
