@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from tqdm import tqdm
 import rope_ext
 from rope_ext.attention import AttentionChain
 from rope_ext.defaults import gutenberg_text, load_smollm2
-from rope_ext.evals.output import provenance
+from rope_ext.evals.output import provenance, write_measurement
 from rope_ext.method.self_extend import SCORE_BYTES, GroupedAttention
 
 FACTOR = 4.0
@@ -133,10 +132,7 @@ def main() -> None:
     for name, s in seconds.items():
         print(f"| {name} | {min(s):.1f} | {results['ratio_to_plain'][name]:.3f} | {results['median_ratio_to_plain'][name]:.3f} |")
     print(f"\nself_extend vs its one-softmax formulation: max |delta logit| = {results['self_extend_max_abs_logit_difference']:.2e} (fp32)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "x") as f:  # never replace an earlier measurement
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    write_measurement(args.out, results)
 
 
 if __name__ == "__main__":

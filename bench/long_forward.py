@@ -22,7 +22,6 @@ Rotary angles are computed in fp32 in either dtype (rope_ext.rotation). One forw
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import rope_ext
 from rope_ext.chunked import token_nll
 from rope_ext.defaults import gutenberg_text, load_smollm2
 from rope_ext.evals import passkey
-from rope_ext.evals.output import markdown_table, provenance
+from rope_ext.evals.output import markdown_table, provenance, write_measurement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GEMM_ROWS = 4096
@@ -124,10 +123,7 @@ def main() -> None:
     print(markdown_table(["depth", "key", "fp32 answer", "bf16 answer", "same"],
                          [[d, r["key"], repr(r["answers"]["float32"]), repr(r["answers"]["bfloat16"]), r["same_answer"]]
                           for d, r in results["passkey"].items()]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "x") as f:  # never replace an earlier measurement
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    write_measurement(args.out, results)
 
 
 if __name__ == "__main__":

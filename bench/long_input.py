@@ -81,7 +81,7 @@ def main() -> None:
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(f"  {results[-1]['seconds']:.0f} s, peak RSS {results[-1]['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
 
-    from rope_ext.evals.output import markdown_table
+    from rope_ext.evals.output import markdown_table, write_measurement
 
     local = {r["length"]: r for r in results if r["method"] == "sink_window"}
     shortest, longest = local[min(local)], local[max(local)]
@@ -97,10 +97,7 @@ def main() -> None:
                            *[r["ppl_by_bucket"].get(b) for b in buckets]] for r in results]))
     print(f"sink_window {longest['length']} vs {shortest['length']} tokens ({report['lengths_ratio']:g}x): "
           f"time x{report['time_ratio']:.2f}, peak RSS x{report['rss_ratio']:.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "x") as f:  # never replace an earlier measurement
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_measurement(args.out, report)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
 from rope_ext.defaults import gutenberg_text, load_smollm2
-from rope_ext.evals.output import provenance
+from rope_ext.evals.output import provenance, write_measurement
 
 FACTOR = 4.0
 
@@ -158,10 +157,7 @@ def main() -> None:
     print("| variant | tokens/s | vs plain |\n|---|---|---|")
     for name, rate in results["decode"].items():
         print(f"| {name} | {rate:.2f} | {rate / plain:.2f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "x") as f:  # never replace an earlier measurement
-        json.dump(results, f, indent=2)
-    print(f"\nwrote {args.out}")
+    write_measurement(args.out, results)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,11 @@ def provenance_line(record: dict) -> str:
     return (f"Provenance: rope-ext {record['rope_ext']}, transformers {record['transformers']}, torch {record['torch']}; "
             f"{record['device']}, {record['dtype']}, {record['threads']} thread(s); {record['date']}; "
             f"model {record['model']} (config sha256 {record['config_sha256']}).\n")
+
+
+def write_measurement(path: Path, results: dict) -> None:
+    """A bench's results as JSON at `path`, which must not exist: a measurement is never replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "x") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")

@@ -49,3 +49,13 @@ def tiny_tokenizer(tiny_path):
 def heldout_ids(tiny_tokenizer) -> torch.LongTensor:
     """1-D stream of the held-out plays (never trained on), eos between plays, no bos."""
     return tiny.heldout_ids(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the in-process training runs, as each DDP process has: on a shared
+    2-core machine two spinning OpenMP threads per process made these tests 10-50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,12 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(tiny_path, out: Path, method: str) -> Path:

@@ -29,12 +29,7 @@ TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 SHORT = ["--max-steps", "4", "--warmup-steps", "1", "--seq-len", "256", "--eval-every", "0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(tiny_path, out: Path, *extra: str) -> list[str]:

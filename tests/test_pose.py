@@ -19,12 +19,7 @@ TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 WINDOW, PATCHED = 128, 512
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _runs(positions: torch.Tensor) -> list[torch.Tensor]:
