@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+import rope_ext
+
 WINDOW = 64
 
 SHAPES = {
@@ -73,12 +75,21 @@ def ppl(nll: torch.Tensor) -> float:
     return math.exp(nll.mean().item())
 
 
+@torch.no_grad()
+def ppl_past_window(path, passages: torch.LongTensor, method: str, window: int = 128) -> float:
+    """Perplexity over the positions past `window` of each passage [n, T + 1], the mean of the
+    passages' mean NLL, for the checkpoint at `path` unpatched ("plain") or with `method` x4."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    if method != "plain":
+        rope_ext.patch(model, method, factor=4)
+    nll = [F.cross_entropy(model(row[None, :-1]).logits[0, window:], row[window + 1 :]) for row in passages]
+    return math.exp(torch.stack(nll).mean().item())
+
+
 def assert_refused_unchanged(method: str, kwargs: dict, message: str) -> None:
     """rope_ext.patch(random model, method, **kwargs) raises a ValueError matching `message` and
     leaves the model's logits and patch state as they were."""
     import pytest
-
-    import rope_ext
 
     model = random_model()
     x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0))
@@ -94,8 +105,6 @@ def assert_refused_unchanged(method: str, kwargs: dict, message: str) -> None:
 def assert_refuses_other_backends_and_padding(method: str) -> None:
     """`method` refuses a backend other than eager/sdpa at patch time, and a padded batch when run."""
     import pytest
-
-    import rope_ext
 
     model = random_model()
     model.config._attn_implementation = "flex_attention"

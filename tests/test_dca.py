@@ -1,17 +1,14 @@
 """dca: Dual Chunk Attention (rope_ext.method.dca), against its definition written out with full
 [S, S] matrices, and on the tiny trained model."""
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import AttentionChain, AttentionTransform
 
-from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, random_model
+from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, ppl_past_window, random_model
 from test_self_extend import rotate
 
 
@@ -90,20 +87,8 @@ def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids
 
 
 def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):
-    from transformers import LlamaForCausalLM
-
-    x = torch.stack([heldout_ids[s : s + 513] for s in range(0, 16 * 513, 513)])
-    window = 128
-
-    def ppl_past_window(method):
-        model = LlamaForCausalLM.from_pretrained(tiny_path).eval()
-        if method != "plain":
-            rope_ext.patch(model, method, factor=4)
-        with torch.no_grad():
-            nll = [F.cross_entropy(model(row[None, :-1]).logits[0, window:], row[window + 1 :]) for row in x]
-        return math.exp(torch.stack(nll).mean().item())
-
-    assert ppl_past_window("dca") < 0.9 * ppl_past_window("plain")
+    passages = torch.stack([heldout_ids[s : s + 513] for s in range(0, 16 * 513, 513)])
+    assert ppl_past_window(tiny_path, passages, "dca") < 0.9 * ppl_past_window(tiny_path, passages, "plain")
 
 
 def test_qwen_dual_chunk_attention_config_sets_chunk_local_and_window():
