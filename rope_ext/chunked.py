@@ -93,7 +93,8 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attentio
     """Run `input_ids` [B, T] (or [T]) through the model body `chunk_size` tokens at a time.
 
     Returns (hidden, cache): the final hidden states [B, T, hidden] (the LM head's input; None with
-    keep_hidden=False) and the KV cache holding all T tokens, ready for decoding. `attention_mask`
+    keep_hidden=False) and the KV cache of the T tokens, ready for decoding (every key, or with a
+    patch that lets keys go, sink_window, the keys later queries can see). `attention_mask`
     [B, T] marks padding (left padding, as for generate); positions then count real tokens only.
     `cache` continues an earlier cache filled by this model without padding (default: a new one,
     `new_cache`). `on_chunk(start, hidden_chunk)` is called after each chunk, e.g. to score it and
