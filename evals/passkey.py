@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
-from rope_ext.chunked import chunked_generate
+from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
 
 from . import loading, output
 
@@ -85,28 +85,61 @@ def trial_key(seed: int, length: int, depth: float, trial: int) -> int:
     return random.Random(f"{seed}:{length}:{depth}:{trial}").randint(*KEY_RANGE)
 
 
+def shared_prefix(a: list, b: list) -> int:
+    """How many leading tokens a and b have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def first_integer(text: str) -> int | None:
     match = re.search(r"\d+", text)
     return int(match.group()) if match else None
 
 
-def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int | None = None):
+def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int | None = None, share_prefix: bool = False):
     """answer(prompt) -> the model's greedy continuation, decoded. With `chunk_size` the prompt is
-    prefilled through the KV cache that many tokens at a time (rope_ext.chunked_generate)."""
+    prefilled through the KV cache that many tokens at a time (rope_ext.chunked_generate).
+
+    With `share_prefix`, the first prompt of each length is prefilled whole and its cache kept;
+    every later prompt of that length starts from a copy of it cut to the tokens they share (the
+    task line and the filler before the shallower key: run_trials asks the deepest key first) and
+    prefills only the rest, a chunked prefill with a chunk boundary there (rope_ext.copy_prefix)."""
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                               pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
     device = model.get_output_embeddings().weight.device
+    kept = {}  # share_prefix: {requested length: (ids[:-1] of its first prompt, their cache)}
+    if share_prefix:
+        copy_prefix(model, new_cache(model), 0)  # a cache that cannot be shared is refused before any prompt runs
+
+    def prefill(head: list, start: tuple | None = None):
+        """The cache of the tokens `head`: from a copy of the kept (ids, cache) `start` cut to
+        where they agree, the rest through the model."""
+        shared, cache = 0, new_cache(model)
+        if start is not None:
+            shared = shared_prefix(start[0], head)
+            cache = copy_prefix(model, start[1], shared)
+        if shared < len(head):
+            rest = torch.tensor([head[shared:]], device=device)
+            chunked_forward(model, rest, chunk_size or rest.shape[1], cache=cache, keep_hidden=False)
+        return cache
 
     @torch.inference_mode()
     def answer(prompt: Prompt) -> str:
         ids = torch.tensor([prompt.ids], device=device)
-        if chunk_size is None:
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        mask = torch.ones_like(ids)
+        if share_prefix:
+            head = prompt.ids[:-1]
+            if prompt.length not in kept:
+                kept.clear()  # one length at a time: run_trials asks them in order
+                kept[prompt.length] = (head, prefill(head))
+            cache = prefill(head, kept[prompt.length])
+            out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=config)
+        elif chunk_size is None:
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         else:
-            out = chunked_generate(model, ids, chunk_size, attention_mask=torch.ones_like(ids), generation_config=config)
+            out = chunked_generate(model, ids, chunk_size, attention_mask=mask, generation_config=config)
         return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
     return answer
@@ -132,16 +165,19 @@ def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 
             raise ValueError(f"depths must be in [0, 1], got {d}")
     for n in lengths:  # a length too small for the prompt fails here, before any trial runs
         build_prompt(tokenizer, n, 0.0, KEY_RANGE[1])
-    records = []
-    for length, depth, trial in tqdm(grid(lengths, depths, trials, limit), desc="passkey", unit="trial",
-                                     disable=not progress, file=sys.stderr):
+    cells = grid(lengths, depths, trials, limit)
+    # asked by length, deepest key first: the prompts of a length then share their filler with the
+    # first one asked (model_answerer's share_prefix); the records keep the grid's order
+    asked = sorted(cells, key=lambda cell: (cell[0], -cell[1], cell[2]))
+    records = {}
+    for length, depth, trial in tqdm(asked, desc="passkey", unit="trial", disable=not progress, file=sys.stderr):
         prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, trial))
         text = answer(prompt)
         predicted = first_integer(text)
-        records.append({"length": length, "depth": depth, "trial": trial, "key": prompt.key,
-                        "prompt_tokens": len(prompt.ids), "answer": text, "predicted": predicted,
-                        "correct": predicted == prompt.key})
-    return summarize(records)
+        records[length, depth, trial] = {"length": length, "depth": depth, "trial": trial, "key": prompt.key,
+                                         "prompt_tokens": len(prompt.ids), "answer": text, "predicted": predicted,
+                                         "correct": predicted == prompt.key}
+    return summarize([records[cell] for cell in cells])
 
 
 def summarize(records: list[dict]) -> dict:
@@ -204,10 +240,10 @@ def run(args: argparse.Namespace, plan) -> int:
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
     record = output.provenance(model, args.model)
     started = time.perf_counter()
-    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size), tokenizer, lengths, args.depths,
+    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix), tokenizer, lengths, args.depths,
                         args.trials, args.seed, args.limit, progress=not args.no_progress)
     setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
-             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "seconds": round(time.perf_counter() - started, 2)}
+             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix, "seconds": round(time.perf_counter() - started, 2)}
     out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
     text = markdown(result, setup) + "\n" + output.provenance_line(record)
     out.write_text("passkey.md", text)

@@ -25,6 +25,7 @@ _API = {
     "load_finetuned": ("saving", "load_finetuned"),
     "chunked_forward": ("chunked", "chunked_forward"),
     "chunked_generate": ("chunked", "chunked_generate"),
+    "copy_prefix": ("chunked", "copy_prefix"),
     "chunked_nll": ("chunked", "chunked_nll"),
 }
 

@@ -107,6 +107,9 @@ def passkey(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
+    parser.add_argument("--share-prefix", action="store_true",
+                        help="prompts of one length start from the cache of the first one, cut to the tokens they share, and "
+                             "prefill only the rest (a chunked prefill: the same answers, up to rounding; not with sink_window)")
     model_arguments(parser)
     output_arguments(parser)
 

@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from . import method as methods
-from .patching import describe
+from .patching import describe, installed_rotary
 
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
 
@@ -70,6 +71,35 @@ def new_cache(model):
     patch = _patch(model)
     cache = None if patch is None else patch[0].kv_cache(model.config, patch[1])
     return DynamicCache(config=model.config) if cache is None else cache
+
+
+def copy_prefix(model, cache, length: int):
+    """A new cache holding the first `length` tokens of `cache`, which `model` filled from an empty
+    cache without padding. Prefilling the rest of a prompt that shares those tokens from it
+    (`chunked_forward(..., cache=copy)`) is a chunked prefill of that whole prompt, with a chunk
+    boundary at `length`; `cache` itself is left as it was, to be copied again.
+
+    ValueError for a cache that lets keys go or slides (sink_window's, a sliding-window layer) and
+    for a dynamic patch with causal=False, whose queries are scaled for the whole prompt's length:
+    a prefix computed inside one prompt is then not that of another."""
+    if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise ValueError(f"copy_prefix needs a DynamicCache that keeps every key, got {type(cache).__name__} "
+                         f"with {sorted({type(layer).__name__ for layer in getattr(cache, 'layers', [])})}")
+    patch = _patch(model)
+    if patch is not None and patch[0].dynamic and patch[1].get("causal", True) is False:
+        raise ValueError(f"copy_prefix: {patch[0].name} with causal=False scales every query for the whole input's "
+                         "length, so a prompt's prefix is not computed as it would be inside another prompt")
+    held = cache.get_seq_length()
+    if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
+        raise ValueError(f"length must be an int in [0, {held}] (the tokens the cache holds), got {length!r}")
+    copy = DynamicCache(config=model.config)
+    for index, layer in enumerate(cache.layers):
+        if layer.is_initialized:
+            copy.update(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone(), index)
+    rotary = installed_rotary(model) if patch is not None else None
+    if rotary is not None:
+        rotary.copy_positions(cache, copy, length)
+    return copy
 
 
 def _warn_slow_schedule(model, chunk_size: int) -> None:

@@ -175,10 +175,15 @@ def lora_targets(model: nn.Module) -> list[str]:
     return list(adapter.lora_targets)
 
 
+def installed_rotary(model: nn.Module):
+    """The rope-ext rotary module of the patch on this model, or None."""
+    adapter, site = _site(model)
+    return adapter.installed(site)
+
+
 def describe(model: nn.Module) -> dict | None:
     """The patch on this model (method, factor, params, original geometry), or None."""
-    adapter, site = _site(model)
-    rotary = adapter.installed(site)
+    rotary = installed_rotary(model)
     if rotary is None:
         return None
     return {

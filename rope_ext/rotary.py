@@ -115,6 +115,12 @@ class ExtendedRotaryEmbedding(nn.Module):
         # The frame stays: gradient checkpointing re-runs attention during backward.
         self._pending_cache = None
 
+    def copy_positions(self, source, target, length: int) -> None:
+        """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it
+        gets their positions, so later forwards can rotate them."""
+        if source in self._key_positions:
+            self._key_positions[target] = self._key_positions[source][..., :length]
+
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())
         return f"method={self.method.name}, factor={self.factor}, {params}, geometry={self.geometry}"

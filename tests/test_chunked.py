@@ -121,3 +121,40 @@ def test_left_padded_batch_matches_single_rows(tiny_model, heldout_ids):
 def test_bad_input_is_refused(tiny_model, ids, chunk_size, message):
     with pytest.raises(ValueError, match=message):
         chunked.chunked_nll(tiny_model, ids, chunk_size)
+
+
+@pytest.mark.filterwarnings("ignore:rope_ext. dynamic re-scales")
+@pytest.mark.parametrize("method, params", [(None, {}), ("yarn", {}), ("dynamic", {}), ("self_extend", {}), ("dca", {})])
+def test_a_copied_prefix_continues_as_one_forward(tiny_model, heldout_ids, method, params):
+    """A prompt that shares its first 200 tokens with an earlier one, prefilled from a copy of that
+    one's cache, gets the hidden states of one forward over it, past the window; the cache copied
+    from is left as it was."""
+    if method is not None:
+        rope_ext.patch(tiny_model, method, factor=4, **params)
+    ids = heldout_ids[:400][None]
+    whole, _ = chunked.chunked_forward(tiny_model, ids, chunk_size=400)
+    other = torch.cat((ids[:, :200], heldout_ids[1000:1100][None]), dim=1)  # the same first 200 tokens, then others
+    _, kept = chunked.chunked_forward(tiny_model, other, chunk_size=300)
+    copy = rope_ext.copy_prefix(tiny_model, kept, 200)
+    rest, copy = chunked.chunked_forward(tiny_model, ids[:, 200:], chunk_size=200, cache=copy)
+    assert (rest - whole[:, 200:]).abs().max() <= 1e-4
+    assert copy.get_seq_length() == 400 and kept.get_seq_length() == 300
+    again, _ = chunked.chunked_forward(tiny_model, other[:, 200:], chunk_size=100,
+                                       cache=rope_ext.copy_prefix(tiny_model, kept, 200))
+    alone, _ = chunked.chunked_forward(tiny_model, other, chunk_size=300)
+    assert (again - alone[:, 200:]).abs().max() <= 1e-4
+
+
+def test_copy_prefix_refuses_what_it_cannot_copy(tiny_model, heldout_ids):
+    ids = heldout_ids[:100][None]
+    _, cache = chunked.chunked_forward(tiny_model, ids, chunk_size=100)
+    with pytest.raises(ValueError, match=r"length must be an int in \[0, 100\]"):
+        rope_ext.copy_prefix(tiny_model, cache, 101)
+    rope_ext.patch(tiny_model, "dynamic", factor=4, causal=False)
+    with pytest.raises(ValueError, match="causal=False"):
+        rope_ext.copy_prefix(tiny_model, chunked.new_cache(tiny_model), 0)
+    rope_ext.unpatch(tiny_model)
+    rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=60)
+    _, bounded = chunked.chunked_forward(tiny_model, ids, chunk_size=50)
+    with pytest.raises(ValueError, match="keeps every key, got SinkWindowCache"):
+        rope_ext.copy_prefix(tiny_model, bounded, 10)

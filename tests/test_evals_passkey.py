@@ -103,3 +103,36 @@ def test_answers_prefilled_in_chunks_are_the_same(tiny_model, tiny_tokenizer):
     prompt = passkey.build_prompt(tiny_tokenizer, 400, 0.5, 123)
     whole = passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6)(prompt)
     assert passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, chunk_size=64)(prompt) == whole
+
+
+@pytest.mark.parametrize("method", ["yarn", "self_extend"])
+def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_model, tiny_tokenizer, method):
+    rope_ext.patch(tiny_model, method, factor=4)
+    prefilled = []
+    hook = tiny_model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    grid = dict(lengths=[300, 500], depths=[0.1, 0.5, 0.9], trials=2)
+    try:
+        alone = passkey.run_trials(passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6), tiny_tokenizer,
+                                   **grid, progress=False)
+        whole = sum(n for n in prefilled if n > 1)
+        prefilled.clear()
+        shared = passkey.run_trials(passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, share_prefix=True),
+                                    tiny_tokenizer, **grid, progress=False)
+    finally:
+        hook.remove()
+    assert [t["answer"] for t in shared["trials"]] == [t["answer"] for t in alone["trials"]]
+    assert [(t["length"], t["depth"], t["trial"]) for t in shared["trials"]] == passkey.grid([300, 500], [0.1, 0.5, 0.9], 2)
+    # per length: the deepest key's prompt whole, then each other one from where it leaves that one
+    expected = 0
+    for length in (300, 500):
+        heads = [passkey.build_prompt(tiny_tokenizer, length, d, passkey.trial_key(0, length, d, t)).ids[:-1]
+                 for d, t in sorted(((d, t) for d in (0.1, 0.5, 0.9) for t in range(2)), key=lambda c: (-c[0], c[1]))]
+        expected += len(heads[0]) + sum(len(h) - passkey.shared_prefix(heads[0], h) for h in heads[1:])
+    assert sum(n for n in prefilled if n > 1) == expected < 0.7 * whole
+
+
+def test_share_prefix_is_refused_for_a_cache_that_lets_keys_go(tiny_model, tiny_tokenizer):
+    rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=60)
+    with pytest.raises(ValueError, match="keeps every key"):
+        passkey.model_answerer(tiny_model, tiny_tokenizer, share_prefix=True)
