@@ -96,7 +96,12 @@ class TokenScorer:
         moves during one long forward."""
         layers = list(getattr(self.decoder, "layers", ())) if advance is not None else []
         shares = [len(ids) * (k + 1) // len(layers) - len(ids) * k // len(layers) for k in range(len(layers))]
-        hooks = [layer.register_forward_hook(lambda *_, n=n: advance(n)) for layer, n in zip(layers, shares)]
+        def after_layer(n):
+            def hook(module, args, output) -> None:  # a hook that returns a value replaces the layer's output
+                advance(n)
+            return hook
+
+        hooks = [layer.register_forward_hook(after_layer(n)) for layer, n in zip(layers, shares)]
         try:
             out = self.decoder(input_ids=ids[None].to(self.device), use_cache=False)
         finally:

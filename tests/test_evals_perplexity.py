@@ -229,6 +229,13 @@ def test_cli_writes_results_and_never_overwrites(tiny_path, tmp_path):
 def test_progress_moves_during_one_forward(tiny_model, heldout_ids):
     scorer = perplexity.TokenScorer(tiny_model)
     steps = []
-    scorer.hidden(heldout_ids[:301], steps.append)
+
+    def advance(n):  # returns what tqdm's update returns when it redraws
+        steps.append(n)
+        return True
+
+    with torch.no_grad():
+        hidden = scorer.hidden(heldout_ids[:301], advance)
+        assert torch.equal(hidden, scorer.hidden(heldout_ids[:301]))
     assert len(steps) == tiny_model.config.num_hidden_layers and sum(steps) == 301
     assert not tiny_model.model.layers[0]._forward_hooks  # the hooks go with the forward
