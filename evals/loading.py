@@ -96,8 +96,12 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
 def apply_method(model, method: str = PLAIN, factor: float | None = None, params: dict | None = None,
                  original_window: int | None = None):
     """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo;
-    `plain` removes any patch and returns None."""
+    `plain` removes any patch and returns None; None leaves the model as loaded (a checkpoint
+    saved patched keeps its patch: describe_setup records it) and returns None."""
     params = params or {}
+    if method is None:
+        check_method(method, factor, params, original_window)
+        return None
     if method == PLAIN:
         if params or factor is not None:
             raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
@@ -108,9 +112,14 @@ def apply_method(model, method: str = PLAIN, factor: float | None = None, params
     return rope_ext.patch(model, method, factor=factor, **extra, **params)
 
 
-def check_method(method: str, factor: float | None, params: dict | None = None) -> None:
+def check_method(method: str | None, factor: float | None, params: dict | None = None, original_window: int | None = None) -> None:
     """The checks of a method spec that need no model: the name, the factor and the parameters."""
     params = params or {}
+    if method is None:
+        if params or factor is not None or original_window is not None:
+            raise ValueError("--factor, --param and --original-window need --method (without it the model is "
+                             "evaluated as loaded)")
+        return
     if method == PLAIN:
         if params or factor is not None:
             raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
@@ -176,14 +185,25 @@ def model_label(model) -> str:
 
 
 def describe_setup(model, info, method: str, params: dict, chunk_size: int | None = None) -> dict:
-    """The model-and-method record every result file carries."""
+    """The model-and-method record every result file carries. With `method` None (the model as
+    loaded), the patch the checkpoint came with, if any (`patch` then holds rope_ext.describe's
+    record, with its original_window and "as_loaded": true)."""
     limit, why = capacity(model)
+    patch = None if info is None else info.to_dict()
+    factor = None if info is None else info.factor
+    params = params if info is None else dict(info.params)
+    if method is None:
+        described = patched(model)
+        method = PLAIN if described is None else described["method"]
+        if described is not None:
+            factor, params = described["factor"], dict(described["params"])
+            patch = {**described, "original_window": described["geometry"]["original_window"], "as_loaded": True}
     return {
         "model": model_label(model),
         "method": method,
-        "factor": None if info is None else info.factor,
-        "params": params if info is None else dict(info.params),
-        "patch": None if info is None else info.to_dict(),
+        "factor": factor,
+        "params": params,
+        "patch": patch,
         "capacity": limit,
         "capacity_note": why,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
@@ -195,7 +215,7 @@ def check_model_args(args) -> dict:
     """The method parameters of the arguments rope_ext.arguments.model_arguments added, after checking every one
     of them; call it before model_from_args."""
     params = parse_params(args.param)
-    check_method(args.method, args.factor, params)
+    check_method(args.method, args.factor, params, args.original_window)
     if args.original_window is not None:
         as_size(args.original_window, "--original-window")
     if args.chunk_size is not None:

@@ -39,7 +39,9 @@ def model_arguments(parser, *, method: bool = True) -> None:
                             "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
                             "(default: one forward per input)")
     if method:
-        group.add_argument("--method", default=PLAIN, help=f"{METHOD_HELP} (default: plain = unpatched)")
+        group.add_argument("--method", default=None,
+                           help=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
+                                "patched, or a fine-tune folder, keeps its patch; the embedded SmolLM2 is unpatched)")
         group.add_argument("--factor", type=float, default=None, help="scale relative to the original window (required unless plain)")
         group.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)")

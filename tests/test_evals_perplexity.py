@@ -239,3 +239,27 @@ def test_progress_moves_during_one_forward(tiny_model, heldout_ids):
         assert torch.equal(hidden, scorer.hidden(heldout_ids[:301]))
     assert len(steps) == tiny_model.config.num_hidden_layers and sum(steps) == 301
     assert not tiny_model.model.layers[0]._forward_hooks  # the hooks go with the forward
+
+
+@pytest.mark.parametrize("method", ["yarn", "self_extend"])
+def test_a_checkpoint_saved_patched_is_evaluated_with_its_patch(tiny_model, tiny_tokenizer, tmp_path, method):
+    """Without --method the model is evaluated as loaded: a patched checkpoint keeps its patch (and
+    the results say which); --method plain is the unpatched model."""
+    from rope_ext.defaults import gutenberg_documents
+
+    rope_ext.patch(tiny_model, method, factor=4)
+    tiny_model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
+    text = tmp_path / "macbeth.txt"
+    text.write_text(gutenberg_documents()["macbeth_gut"][20000:26000])
+    argv = ["--model", str(tmp_path / "ckpt"), "--lengths", "512", "--data", str(text), "--no-progress", "--overwrite"]
+    runs = {}
+    for name, extra in (("as loaded", []), ("named", ["--method", method, "--factor", "4"]), ("plain", ["--method", "plain"])):
+        assert perplexity.main(argv + extra + ["--output", str(tmp_path / name)]) == 0
+        runs[name] = json.loads((tmp_path / name / "ppl.json").read_text())
+    assert runs["as loaded"]["setup"]["method"] == method and runs["as loaded"]["setup"]["patch"]["as_loaded"]
+    assert runs["as loaded"]["setup"]["capacity"] == 512
+    ppl = {name: run["lengths"]["512"]["ppl"] for name, run in runs.items()}
+    assert ppl["as loaded"] == ppl["named"] and ppl["plain"] > 1.1 * ppl["named"]
+    with pytest.raises(ValueError, match="need --method"):
+        perplexity.main(argv + ["--factor", "4", "--output", str(tmp_path / "x")])
