@@ -7,22 +7,72 @@ import json
 import shutil
 from pathlib import Path
 
+from accelerate.checkpointing import load_accelerator_state, load_custom_state, save_accelerator_state, save_custom_state
+from accelerate.utils import DistributedType, load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, config_digest, identity_differences
-from .distributed import is_sharded
 
 TRAINED_STATE = "trained_state.safetensors"
 
 
-def keep_trained_state_only(accelerator) -> None:
-    """Make accelerate's save_state/load_state write and read only the weights training changes
-    (the LoRA weights and the trainable embeddings and norms, as peft names them), not the frozen
-    base: optimizer, schedule and RNG stay accelerate's. FSDP and DeepSpeed save their sharded
-    state themselves, before these hooks run, so their checkpoints keep the whole model."""
-    if is_sharded(accelerator):
-        return
+def checkpoint_layout(accelerator) -> str:
+    """The files a launch's checkpoints hold: FSDP's and DeepSpeed's own, or those of a replicated
+    model (one process or DDP)."""
+    return {DistributedType.FSDP: "fsdp", DistributedType.DEEPSPEED: "deepspeed"}.get(accelerator.distributed_type, "replicated")
+
+
+class TrainingState:
+    """What a checkpoint holds: what LoRA training changes (the LoRA weights and the trainable
+    embeddings and norms, as peft names them; the optimizer, the LR schedule and every rank's RNG),
+    not the frozen base. DeepSpeed is the exception: accelerate hands its checkpoint to the engine's
+    save_checkpoint, which writes the whole model (docs/finetune.md)."""
+
+    def __init__(self, accelerator, model, optimizer, scheduler):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.fsdp = accelerator.distributed_type == DistributedType.FSDP
+        if not self.fsdp:
+            # The scheduler is stepped by the training loop (not prepared), so save_state/load_state
+            # carry it as a custom object.
+            accelerator.register_for_checkpointing(scheduler)
+        if checkpoint_layout(accelerator) == "replicated":
+            _keep_trained_weights_only(accelerator)
+
+    def save(self, folder: Path) -> None:
+        """Every rank writes its part of the state into `folder`."""
+        if not self.fsdp:
+            self.accelerator.save_state(str(folder))
+            return
+        # accelerate's save_state writes an FSDP model whole (save_fsdp_model without adapter_only),
+        # before any hook runs. Its own FSDP functions with adapter_only=True write the trained
+        # weights alone, in the plugin's state-dict type (SHARDED_STATE_DICT: each rank its shards,
+        # through torch.distributed.checkpoint); the rest is what save_state would write.
+        accelerator, plugin = self.accelerator, self.accelerator.state.fsdp_plugin
+        save_fsdp_model(plugin, accelerator, self.model, str(folder), adapter_only=True)
+        save_fsdp_optimizer(plugin, accelerator, self.optimizer.optimizer, self.model, str(folder))
+        save_custom_state(self.scheduler, str(folder))
+        save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step, accelerator.scaler)
+
+    def load(self, folder: Path) -> None:
+        if not self.fsdp:
+            self.accelerator.load_state(str(folder))
+            return
+        accelerator, plugin = self.accelerator, self.accelerator.state.fsdp_plugin
+        load_fsdp_model(plugin, accelerator, self.model, str(folder), adapter_only=True)
+        # The torch optimizer inside accelerate's wrapper: loading into a fresh optimizer takes one
+        # zero-lr step first, which through the wrapper would go through an fp16 GradScaler that has
+        # scaled no loss yet.
+        load_fsdp_optimizer(plugin, accelerator, self.optimizer.optimizer, self.model, str(folder))
+        load_custom_state(self.scheduler, str(folder))
+        # The scaler and this rank's RNG. The step counter it returns is not restored: it counts
+        # micro-steps, a multiple of grad_accum at every checkpoint, so a fresh one syncs at the same ones.
+        load_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.scaler)
+
+
+def _keep_trained_weights_only(accelerator) -> None:
+    """Make accelerate's save_state/load_state write and read only the trained weights of a
+    replicated model, not its whole state dict: optimizer, schedule and RNG stay accelerate's."""
 
     def save(models, weights, output_dir):
         (model,) = models  # the recipe prepares one model
@@ -52,21 +102,22 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save_checkpoint(accelerator, out: Path, step: int, digest: str, keep: int, evals: list[dict], history: list[dict]) -> None:
-    """accelerate's training state (trained weights, optimizer, scheduler, RNG of every rank) and
-    the evals and per-step log so far, into a temporary folder renamed into place only when every
-    rank has finished writing."""
+def save_checkpoint(state: TrainingState, out: Path, step: int, digest: str, keep: int, evals: list[dict],
+                    history: list[dict]) -> None:
+    """The training state and the evals and per-step log so far, into a temporary folder renamed
+    into place only when every rank has finished writing."""
+    accelerator = state.accelerator
     root = out / "checkpoints"
     tmp = root / f".step-{step}.partial"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    state.save(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {"step": step, "config_digest": digest, "evals": evals, "history": history}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        trainer_state = {"step": step, "config_digest": digest, "evals": evals, "history": history}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         final = root / f"step-{step}"
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -75,7 +126,7 @@ def save_checkpoint(accelerator, out: Path, step: int, digest: str, keep: int, e
     accelerator.wait_for_everyone()
 
 
-def find_resume(out: Path, resume: str, cfg: dict, world: int) -> Path:
+def find_resume(out: Path, resume: str, cfg: dict, world: int, layout: str) -> Path:
     """The checkpoint to resume from, after checking it belongs to this exact configuration."""
     run_config = out / "run_config.json"
     if not run_config.is_file():
@@ -84,6 +135,12 @@ def find_resume(out: Path, resume: str, cfg: dict, world: int) -> Path:
     differences = identity_differences(cfg, saved["config"])
     if differences:
         raise ConfigError(f"--resume: {out} was trained with another configuration:\n  " + "\n  ".join(differences))
+    # run folders written before the layout was recorded all came from one process or DDP
+    if saved.get("checkpoint_layout", "replicated") != layout:
+        raise ConfigError(
+            f"--resume: {out} was checkpointed by a {saved.get('checkpoint_layout', 'replicated')} launch, this one is "
+            f"{layout}: their checkpoints hold different files"
+        )
     if saved["data_parallel_size"] != world:
         raise ConfigError(
             f"--resume: {out} was trained on {saved['data_parallel_size']} data-parallel rank(s), this launch has {world}; "
@@ -102,28 +159,31 @@ def find_resume(out: Path, resume: str, cfg: dict, world: int) -> Path:
     return path
 
 
-def checkpoint_to_resume(out: Path, resume: str | None, cfg: dict, world: int) -> Path | None:
+def checkpoint_to_resume(out: Path, resume: str | None, cfg: dict, world: int, layout: str) -> Path | None:
     """The checkpoint a --resume run continues from; None for a new run, after checking that `out`
     holds no run yet."""
     if resume:
-        return find_resume(out, resume, cfg, world)
+        return find_resume(out, resume, cfg, world, layout)
     if checkpoints(out) or (out / "adapter_model.safetensors").exists():
         raise ConfigError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     return None
 
 
-def start_or_resume(accelerator, out: Path, cfg: dict, world: int, checkpoint: Path | None) -> tuple[int, list[dict], list[dict]]:
+def start_or_resume(state: TrainingState, out: Path, cfg: dict, world: int,
+                    checkpoint: Path | None) -> tuple[int, list[dict], list[dict]]:
     """(first step, evals so far, per-step log so far): restored from `checkpoint`, or a new run
     folder that records its configuration for a later --resume."""
+    accelerator = state.accelerator
     start, evals, history = 0, [], []
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
+        state.load(checkpoint)
         resumed = json.loads((checkpoint / "trainer_state.json").read_text())
         start, evals, history = resumed["step"], resumed["evals"], resumed["history"]
     elif accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "run_config.json").write_text(json.dumps(
-            {"config": cfg, "config_digest": config_digest(cfg), "data_parallel_size": world}, indent=2, default=str
+            {"config": cfg, "config_digest": config_digest(cfg), "data_parallel_size": world,
+             "checkpoint_layout": checkpoint_layout(accelerator)}, indent=2, default=str
         ) + "\n")
     accelerator.wait_for_everyone()
     return start, evals, history

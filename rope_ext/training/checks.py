@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import math
 
+import accelerate
 import torch
 from accelerate import tracking
+from accelerate.utils import DistributedType, parse_flag_from_env
 
 import rope_ext
 
@@ -26,6 +28,23 @@ def check_trackers(names: list[str]) -> None:
         if name not in available:
             raise ConfigError(f"output.log_with: the {name} tracker is not installed (pip install {name}, "
                               "or `pip install rope-ext[tracking]` for tensorboard), or drop it from output.log_with")
+
+
+def check_launch(accelerator) -> None:
+    """A launch that asks for FSDP or DeepSpeed gets it. accelerate makes a launch FSDP or DeepSpeed
+    only on a GPU or another accelerator (AcceleratorState sets DistributedType.FSDP for the
+    MULTI_GPU-like types alone, DEEPSPEED only without cpu=True, which the recipe passes on a
+    machine without one); on a CPU it drops the plugin without a word, and the processes train as
+    DDP over gloo (one process: alone). Without the deepspeed package, accelerate's Accelerator
+    refuses a DeepSpeed launch itself."""
+    for flag, name, wanted in (("ACCELERATE_USE_FSDP", "FSDP", DistributedType.FSDP),
+                               ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", DistributedType.DEEPSPEED)):
+        if parse_flag_from_env(flag) and accelerator.distributed_type != wanted:
+            raise ConfigError(
+                f"this launch asks for {name} ({flag}=true), which accelerate {accelerate.__version__} runs on GPUs and "
+                f"other accelerators only; here it would train as {accelerator.distributed_type.name} instead. "
+                "On a CPU use recipes/configs/accelerate/cpu_ddp.yaml (or single_device.yaml)"
+            )
 
 
 def check_precision(cfg: dict, mixed_precision: str) -> None:

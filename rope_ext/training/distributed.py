@@ -68,16 +68,13 @@ def is_sharded(accelerator) -> bool:
     return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
-def prepare(accelerator, model, optimizer, scheduler, batch_size: int):
-    """(model, optimizer) prepared for the launch, with the scheduler in the checkpointed state."""
+def prepare(accelerator, model, optimizer, batch_size: int):
+    """(model, optimizer) prepared for the launch. The scheduler is not prepared: the training loop
+    steps it once per optimizer step (a prepared one would step once per process)."""
     if accelerator.state.deepspeed_plugin is not None:
         # No dataloader goes through prepare(), so DeepSpeed is told the micro-batch size here.
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = batch_size
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler is stepped once per optimizer step by the training loop (a prepared one would
-    # step once per process), and checkpointed with the rest of the state.
-    accelerator.register_for_checkpointing(scheduler)
-    return model, optimizer
+    return accelerator.prepare(model, optimizer)
 
 
 def train_step(accelerator, model, optimizer, scheduler, batches, run: dict, cp_size: int) -> float:

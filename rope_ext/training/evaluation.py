@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from tqdm import tqdm
 
 from rope_ext.evals.perplexity import evaluate as perplexity
@@ -17,10 +18,14 @@ def evaluate(model, documents: list, seq_len: int) -> dict:
     """Perplexity at `seq_len` tokens (rope_ext.evals.perplexity, non-overlapping windows)."""
     was_training = model.training
     model.eval()
-    # FSDP2 keeps the root module's parameters (embeddings, final norm, LM head) sharded outside
-    # its own forward; the eval calls the decoder and the head separately, so gather them first.
+    # FSDP2 keeps the root module's own parameters (the final norm) sharded outside the root's
+    # forward, and takes as its root the first module to run forward. The eval calls the decoder
+    # and the head separately: one token through the whole model first makes it the root (else
+    # the embeddings' unit is, and FSDP2 refuses its two modules), then unshard() gathers them.
     gathered = hasattr(model, "unshard") and hasattr(model, "reshard")
     if gathered:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False)
         model.unshard()
     try:
         result = perplexity(model, documents, [seq_len], progress=False)[seq_len]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from .checkpoints import checkpoint_to_resume, keep_trained_state_only, save_checkpoint, start_or_resume
+from .checkpoints import TrainingState, checkpoint_layout, checkpoint_to_resume, save_checkpoint, start_or_resume
 from .checks import (
-    check_eval_documents, check_length, check_parallelism, check_pose_length, check_precision, check_quantization,
-    check_sequences, check_trackers,
+    check_eval_documents, check_launch, check_length, check_parallelism, check_pose_length, check_precision,
+    check_quantization, check_sequences, check_trackers,
 )
 from .config import config_digest, parse_args
 from .data import first_tokens, load_documents, pack, token_stream
@@ -42,7 +42,8 @@ def train(cfg: dict, resume: str | None) -> dict:
     digest = config_digest(cfg)
 
     # ---- everything that can refuse the run happens before the first step
-    checkpoint = checkpoint_to_resume(out, resume, cfg, dp_size)
+    check_launch(accelerator)
+    checkpoint = checkpoint_to_resume(out, resume, cfg, dp_size, checkpoint_layout(accelerator))
     check_parallelism(cfg, cp_size)
     check_precision(cfg, accelerator.mixed_precision)
     check_quantization(cfg, accelerator)
@@ -74,9 +75,9 @@ def train(cfg: dict, resume: str | None) -> dict:
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for p in model.parameters())
     optimizer, scheduler = adamw_cosine(model, run["lr"], run["weight_decay"], run["warmup_steps"], run["max_steps"])
-    model, optimizer = prepare(accelerator, model, optimizer, scheduler, run["batch_size"])
-    keep_trained_state_only(accelerator)
-    start, evals, history = start_or_resume(accelerator, out, cfg, dp_size, checkpoint)
+    model, optimizer = prepare(accelerator, model, optimizer, run["batch_size"])
+    state = TrainingState(accelerator, model, optimizer, scheduler)
+    start, evals, history = start_or_resume(state, out, cfg, dp_size, checkpoint)
     if cfg["output"]["log_with"]:
         accelerator.init_trackers("logs", config=tracker_config(cfg))  # under OUT/logs
 
@@ -105,7 +106,7 @@ def train(cfg: dict, resume: str | None) -> dict:
                 held_out(done)
         if cfg["output"]["save_every"] and done % cfg["output"]["save_every"] == 0 and done < run["max_steps"]:
             with progress.paused():
-                save_checkpoint(accelerator, out, done, digest, cfg["output"]["keep"], evals, history)
+                save_checkpoint(state, out, done, digest, cfg["output"]["keep"], evals, history)
     seconds = progress.close()
 
     # ---- outputs

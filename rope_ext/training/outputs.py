@@ -13,11 +13,14 @@ from rope_ext.saving import load_finetuned, save_record
 
 
 def save_adapter(accelerator, model, out: Path):
-    """Write the adapter (every rank takes part in gathering a sharded state); returns the
-    unwrapped peft model."""
+    """Write the adapter from the main process (every rank takes part in gathering a sharded
+    state); returns the unwrapped peft model."""
     state = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(str(out), state_dict=state, is_main_process=accelerator.is_main_process)
+    # Under FSDP2 the gathered state exists on the main process only; the others get {}, on which
+    # peft's save_pretrained fails even where it is told not to write.
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(str(out), state_dict=state)
     return unwrapped
 
 
