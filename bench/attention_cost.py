@@ -4,7 +4,7 @@ embedded SmolLM2, and the agreement of self_extend with its one-softmax formulat
 1. Forward time of the decoder at --length tokens (default 16384, 2x the window): the unpatched
    model, self_extend x4 and dca x4. Variants are interleaved, so machine noise hits all of them;
    the ratio of the fastest runs is the estimate, the ratio of the medians is printed beside it.
-2. self_extend as it runs (two attention calls of the model's head size, merged by log-sum-exp)
+2. self_extend as it runs (attention calls of the model's head size, merged by log-sum-exp)
    against the one-softmax formulation it replaced (one call on doubled head dims: queries
    [q_own, q_grouped], keys [k_own, 0] and [0, k_grouped]), which `OneSoftmax` below keeps as
    the reference: forward time, and max |delta logit| over every position in fp32.

@@ -7,9 +7,10 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import AttentionChain, AttentionTransform
+from rope_ext.method import dca
 
 from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, ppl_past_window, random_model
-from test_self_extend import rotate
+from test_self_extend import CountCalls, count_lse_calls, rotate
 
 
 class NaiveDualChunk(AttentionTransform):
@@ -50,15 +51,25 @@ def ids(n, seed=0):
 
 
 @pytest.mark.parametrize("params", [{}, {"chunk_size": 48, "local_size": 6}, {"local_size": 20}])
-def test_matches_the_definition(params):
+def test_matches_the_definition(monkeypatch, params):
     model = random_model("qwen2")
     rope_ext.patch(model, "dca", factor=4, **params)
     x = ids(4 * WINDOW)
+    masks = []
+    attend_with_lse = dca.attend_with_lse
+
+    def recorded(query, key, value, *, mask=None, **kwargs):
+        masks.append(mask)
+        return attend_with_lse(query, key, value, mask=mask, **kwargs)
+
+    monkeypatch.setattr(dca, "attend_with_lse", recorded)
     with torch.no_grad():
         ours = model(x).logits
         set_chain(model, [NaiveDualChunk(model.model.rotary_emb)])
         naive = model(x).logits
     assert (ours - naive).abs().max() < 1e-5
+    # the rows past chunk_size (the first of them mid-chunk) attend without a mask
+    assert masks and all(mask is None for mask in masks)
 
 
 def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, heldout_ids):
@@ -84,6 +95,25 @@ def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids
             steps.append(tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits)
     assert (chunked - full).abs().max() <= 1e-4
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_decode_step_past_chunk_size_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, attn):
+    tiny_model.set_attn_implementation(attn)
+    rope_ext.patch(tiny_model, "dca", factor=4, chunk_size=96, local_size=16)  # s = 80: steps in chunk 4, keys in 0 .. 4
+    x = heldout_ids[None, :400]
+    counter = CountCalls()
+    set_chain(tiny_model, [dca.DualChunkAttention(tiny_model.model.rotary_emb), counter])
+    lse = count_lse_calls(monkeypatch, dca)
+    with torch.no_grad():
+        full = tiny_model(x).logits
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(x[:, :-5], cache=cache, use_cache=True)
+        counter.calls = lse["calls"] = 0
+        steps = torch.cat([tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(395, 400)], dim=1)
+    # each step: the intra-, successive- and inter-chunk keys in one call of the model's backend
+    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
+    assert (steps - full[:, -5:]).abs().max() <= 1e-4
 
 
 def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):

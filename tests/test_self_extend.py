@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import rope_ext
+from rope_ext import attention
 from rope_ext.attention import AttentionChain, AttentionTransform
 from rope_ext.evals import loading
 from rope_ext.method import self_extend
@@ -46,63 +47,122 @@ class NaiveSelfExtend(AttentionTransform):
         return (scores.softmax(-1) @ value).transpose(1, 2), None
 
 
-class RecordShapes(AttentionTransform):
-    """Passes everything on, remembering the largest mask the backend received."""
-
-    largest = 0
-
-    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        if attention_mask is not None:
-            RecordShapes.largest = max(RecordShapes.largest, attention_mask.numel())
-        return attend(module, query, key, value, attention_mask, **kwargs)
-
-
 def set_chain(model, transforms):
     chain = AttentionChain(transforms)
     for layer in model.model.layers:
         layer.self_attn.rope_ext_attention = chain
 
 
+class CountCalls(AttentionTransform):
+    """Passes everything on, counting the calls that reach the backend."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        self.calls += 1
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def count_lse_calls(monkeypatch, *modules) -> dict:
+    """Counts the calls of attend_with_lse made from `modules`, in {"calls": n}."""
+    counted = {"calls": 0}
+    original = attention.attend_with_lse
+
+    def counting(*args, **kwargs):
+        counted["calls"] += 1
+        return original(*args, **kwargs)
+
+    for module in modules:
+        monkeypatch.setattr(module, "attend_with_lse", counting)
+    return counted
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_matches_the_definition_in_blocks_chunks_and_decoding(monkeypatch, attn):
-    group, window = 3, 12
+def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(monkeypatch, attn):
+    group, window, pad = 3, 12, 5
+    length = 4 * WINDOW - 5  # 187 rows past the window: the last block of 12 is partial
     model = random_model("llama", attn=attn)
     rope_ext.patch(model, "self_extend", group=group, window=window)
     rotary = model.model.rotary_emb
-    ids = torch.randint(0, 97, (1, 4 * WINDOW), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(1))
+    # row 1: `pad` pad tokens, then the sequence without its first `pad` tokens, from position 0
+    batch = torch.cat((ids, torch.cat((torch.zeros(1, pad, dtype=ids.dtype), ids[:, pad:]), dim=1)))
+    padding = torch.ones_like(batch)
+    padding[1, :pad] = 0
+    positions = (padding.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         set_chain(model, [NaiveSelfExtend(rotary, group, window)])
-        reference = model(ids).logits
-        # small score blocks: many query blocks, each with its own keys and mask
-        monkeypatch.setattr(self_extend, "SCORE_BYTES", 4 * 4 * 40 * (4 * WINDOW + window))
-        RecordShapes.largest = 0
-        # rows past the window attend through attend_with_lse, not the backend: record its masks too
-        attend_with_lse = self_extend.attend_with_lse
+        reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
+        set_chain(model, [self_extend.GroupedAttention(rotary)])
+        # rows past the window attend through attend_with_lse: record the masks it gets
+        masks = []
+        attend_with_lse = attention.attend_with_lse
 
         def recorded(query, key, value, *, mask=None, **kwargs):
-            if mask is not None:
-                RecordShapes.largest = max(RecordShapes.largest, mask.numel())
+            masks.append(0 if mask is None else mask.numel())
             return attend_with_lse(query, key, value, mask=mask, **kwargs)
 
         monkeypatch.setattr(self_extend, "attend_with_lse", recorded)
-        set_chain(model, [self_extend.GroupedAttention(rotary), RecordShapes()])
+        monkeypatch.setattr(attention, "attend_with_lse", recorded)
         full = model(ids).logits
-        largest_mask = RecordShapes.largest
+        one_forward, masks = masks, []
         cache = DynamicCache(config=model.config)
         chunked = torch.cat([model(c, cache=cache, use_cache=True).logits for c in ids.split(50, dim=1)], dim=1)
+        chunks, masks = masks, []
         cache = DynamicCache(config=model.config)
         model(ids[:, : 3 * WINDOW], cache=cache, use_cache=True)
-        steps = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(3 * WINDOW, 3 * WINDOW + 30)], dim=1)
+        steps = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(3 * WINDOW, length)], dim=1)
+        # a padded batch: blocks of query rows, each with a mask of its keys; 10 rows per block
+        # (fp32 scores of 2 sequences x 4 heads x 10 query rows x at most length + window keys)
+        monkeypatch.setattr(self_extend, "SCORE_BYTES", 4 * 2 * 4 * 10 * (length + window))
+        padded = model(batch, attention_mask=padding, position_ids=positions).logits
     assert (full - reference).abs().max() <= 1e-5
     assert (chunked - reference).abs().max() <= 1e-5
-    assert (steps - reference[:, 3 * WINDOW : 3 * WINDOW + 30]).abs().max() <= 1e-5
-    # one forward builds no mask over all 256 x 256 positions: at most 40 query rows per block
-    assert 0 < largest_mask <= 40 * (4 * WINDOW + window)
+    assert (steps - reference[:, 3 * WINDOW :]).abs().max() <= 1e-5
+    assert (padded[:1] - reference).abs().max() <= 1e-5
+    assert (padded[1:, pad:] - shorter).abs().max() <= 1e-5
+    # one forward and the chunks (whose mask is the causal one) attend without masks; the padded
+    # batch with masks [2, 1, rows, keys] of at most 10 query rows, none over all positions
+    assert one_forward and chunks and not any(one_forward + chunks)
+    assert 0 < max(masks) <= 2 * 10 * (length + window)
     rope_ext.unpatch(model)
     with torch.no_grad():
         plain = model(ids).logits
     assert torch.equal(plain[:, :WINDOW], full[:, :WINDOW])
     assert (plain[:, WINDOW:] - full[:, WINDOW:]).abs().max() > 1e-3  # the grouping is not vacuous
+
+
+@pytest.mark.parametrize("rows, window, first", [(37, 8, 7), (33, 8, 20), (15, 8, 10), (5, 8, 9), (1, 8, 30), (16, 1, 3)])
+def test_window_attention_without_masks_is_the_band(rows, window, first):
+    """rope_ext.attention.window_parts against a band mask over all keys: full blocks, a partial
+    one (one row short of the window, too), a block of one row, a window longer than the rows, the
+    first row at window - 1, window 1."""
+    generator = torch.Generator().manual_seed(rows)
+    query = torch.randn(1, 4, rows, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, first + rows, 16, generator=generator)
+    blocks = list(attention.window_parts(query, key, value, first, window))
+    ours = torch.cat([attention.merge_by_lse(parts) for _, _, parts in blocks], dim=2)
+    row_index, key_index = first + torch.arange(rows)[:, None], torch.arange(first + rows)[None, :]
+    band = (key_index <= row_index) & (key_index > row_index - window)
+    scores = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2) / 4).masked_fill(~band, float("-inf"))
+    assert [(lo, hi) for lo, hi, _ in blocks] == [(lo, min(lo + window, rows)) for lo in range(0, rows, window)]
+    assert (ours - scores.softmax(-1) @ value.repeat_interleave(2, dim=1)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("causal, masked", [(False, False), (True, False), (False, True)])
+def test_attention_by_scores_in_blocks_is_the_cpu_kernel(monkeypatch, causal, masked):
+    """attend_with_lse off the CPU (explicit scores, query rows in blocks) against torch's CPU
+    kernel, on grouped key heads, more keys than rows, and blocks of 3 rows."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 10, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, 10, 16, generator=generator)
+    mask = torch.randn(1, 1, 10, 10, generator=generator).masked_fill(torch.rand(10, 10, generator=generator) < 0.3, -1e30)
+    kwargs = {"causal": causal, "mask": mask if masked else None, "scale": 0.3}
+    monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 4 * 3 * 10)  # fp32 scores of 4 heads x 3 rows x 10 keys
+    out, lse = attention.attend_with_lse_by_scores(query, key, value, **kwargs)
+    kernel_out, kernel_lse = attention.attend_with_lse(query, key, value, **kwargs)
+    assert (out - kernel_out).abs().max() <= 1e-5 and (lse - kernel_lse).abs().max() <= 1e-5
 
 
 def test_inside_the_window_the_model_is_unchanged(tiny_model, heldout_ids):
@@ -131,6 +191,26 @@ def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids)
         steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(window - 4, window + 40)], dim=1)
     assert (chunks - full).abs().max() <= 1e-4
     assert (steps - full[:, window - 4 : window + 40]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, attn):
+    tiny_model.set_attn_implementation(attn)
+    info = rope_ext.patch(tiny_model, "self_extend", group=3, window=32)  # 32 % 3 != 0: distance 32 is grouped differently
+    ids = heldout_ids[None, : info.max_length]  # 318
+    counter = CountCalls()
+    set_chain(tiny_model, [self_extend.GroupedAttention(tiny_model.model.rotary_emb), counter])
+    lse = count_lse_calls(monkeypatch, self_extend, attention)  # the window attention calls it from rope_ext.attention
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(ids[:, :-5], cache=cache, use_cache=True)
+        counter.calls = lse["calls"] = 0
+        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
+                           for t in range(info.max_length - 5, info.max_length)], dim=1)
+    # each step: every key, near and distant, in one call of the model's backend
+    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
+    assert (steps - full[:, -5:]).abs().max() <= 1e-4
 
 
 def _ppl(model, ids, first):

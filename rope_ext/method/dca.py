@@ -18,9 +18,11 @@ bit). The rotary frequencies stay the trained ones; the KV cache keeps keys befo
 mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
 token-by-token decoding give the same numbers.
 
-How it runs: each part is one attention call of the model's own head size over the keys it needs,
-and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse). No [L, L]
-tensor is built.
+How it runs: each part is an attention call of the model's own head size over the keys it needs,
+without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
+a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
+A decode step is one backend call, each key rotated by its distance to the query. No [L, L] tensor
+is built.
 
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rope_ext.attention import RotateInAttention, attend_with_lse, causal_mask, exact_rows, merge_by_lse
+from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
 from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, require_backend, trained_frequencies
@@ -93,8 +95,9 @@ METHOD = DualChunkMethod(
 class DualChunkAttention(RotateInAttention):
     """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
     keeps). Queries below chunk_size attend through the backend with their own positions; the
-    others attend their chunk, the chunk before and the earlier chunks as three calls merged by
-    log-sum-exp. Positions must be those of one unpadded sequence (the same in every row)."""
+    others attend their chunk, the chunk before and the earlier chunks as calls merged by
+    log-sum-exp, or, a single query, as one backend call. Positions must be those of one unpadded
+    sequence (the same in every row)."""
 
     rotates = True
 
@@ -109,6 +112,12 @@ class DualChunkAttention(RotateInAttention):
         inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
         positions = q_pos[:1]  # [1, Sq]
         exact = int((positions[0] < chunk).sum())  # rows whose distances are all below chunk_size
+        # One query row (a decode step) attends all its keys in one backend call, each key rotated
+        # by its distance to the query. Several rows would need a rotated copy of every key per
+        # row, so the rows of a prefill (also a short chunk of one) attend in parts per chunk.
+        if q_len == 1 and not exact:
+            return self._one_query(module, query, key, value, attention_mask, attend, k_pos[:1], int(positions[0, 0]), span, chunk,
+                                   inv_freq, scale, kwargs)
         outputs = []
         offset = kv_len - q_len
         if exact:
@@ -127,17 +136,30 @@ class DualChunkAttention(RotateInAttention):
                                                 inv_freq, scale, scaling).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
 
+    def _one_query(self, module, query, key, value, attention_mask, attend, k_pos, position, span, chunk, inv_freq, scale, kwargs):
+        """The query at `position` (>= chunk_size) in one backend call. RoPE scores depend on the
+        distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query sits at 0 and each key at its place
+        in its chunk minus the query's intra-, successive- or inter-chunk position."""
+        n, within = divmod(position, span)
+        key_chunk = torch.div(k_pos, span, rounding_mode="floor")
+        query_at = torch.where(key_chunk == n, within, torch.where(key_chunk == n - 1, min(within + span, chunk - 1), chunk - 1))
+        # rotated at 0, not left as is: the rotation carries the attention factor
+        q_zero = self.rotate_to(query, torch.zeros_like(k_pos[:, :1]), inv_freq, scale)
+        return attend(module, q_zero, self.rotate_to(key, k_pos % span - query_at, inv_freq, scale), value, attention_mask, **kwargs)
+
     def _chunk_rows(self, query, keys, value, positions, first, n, span, chunk, inv_freq, scale, scaling):
-        """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts."""
+        """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts, each
+        a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
+        keys] tensor)."""
         start = n * span - first  # key index where chunk n begins
-        end = int(positions[0, -1]) + 1 - first
+        lo = int(positions[0, 0]) - first  # key index of the first row; row r is key lo + r
+        end = lo + query.shape[-2]
         within = positions % span
         q_intra = self.rotate_to(query, within, inv_freq, scale)
-        rows, length = query.shape[-2], end - start
-        square = int(positions[0, 0]) - first == start  # the rows begin at the chunk's first token
-        mask = None if square else causal_mask(length - rows, rows, length, query.dtype, query.device)
-        out, lse = attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], causal=square, mask=mask, scale=scaling)
-        parts = [(out, lse, None)]
+        parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
+        if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
+            out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
+            parts.append((out, lse, None))
         previous = max(0, start - span)
         if start > previous:
             q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)

@@ -31,12 +31,15 @@ meant for the pair's whole capacity, where the span is about L, so a group given
 
 How it runs: the rotary module hands attention an identity rotation, so the KV cache keeps keys
 before rotation (the mechanism of the dynamic methods, rope_ext.rotary), and `GroupedAttention`
-rotates queries and keys twice, at their own and at their grouped positions. Rows past the window
-attend their neighbours (own positions) and the distant keys (grouped positions) in two attention
-calls of the model's own head size, merged by their log-sum-exp into one softmax
-(rope_ext.attention.merge_by_lse), so each query attends every earlier key once, as in plain
-attention. Queries go in blocks whose masks stay under SCORE_BYTES, each for only the keys it can
-see: no [L, L] tensor is built. Rows inside the window go through the model's own backend.
+rotates queries and keys twice, at their own and at their grouped positions. Rows inside the window
+go through the model's own backend. Rows past it attend their neighbours (own positions) and the
+distant keys (grouped positions) in attention calls of the model's own head size, merged by their
+log-sum-exp into one softmax (rope_ext.attention.merge_by_lse), so each query attends every earlier
+key once, as in plain attention. Where the model's mask is the causal one (one sequence, also in
+chunks) these calls take no mask: the distant keys as those all rows see plus a causal square, the
+neighbours in blocks of W rows (rope_ext.attention.window_parts). Otherwise (padding) queries go in
+blocks whose masks stay under SCORE_BYTES, each for only the keys it can see. A decode step is one
+backend call, each key rotated by its distance to the query. No [L, L] tensor is built.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from fractions import Fraction
 
 import torch
 
-from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 
 from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, require_backend, trained_frequencies
@@ -58,10 +61,6 @@ PARAMS = {"group": None, "window": None, "group_rule": None}
 SUMMARY = "SelfExtend: exact positions for neighbours, grouped positions for distant tokens"
 FORMULA = "i-j < W: positions (i, j); else (floor(i/G) + W - floor(W/G), floor(j/G)); one softmax"
 BACKENDS = ("eager", "sdpa")  # take a [B, 1, Sq, Sk] mask for the block-wise masks below
-
-# The largest attention-score block ([B, heads, rows, keys], fp32) one backend call may build.
-SCORE_BYTES = 128 << 20
-
 
 # The share of the trained window the grouped span W + (N - W) / G should stay within: the upper
 # end of the "1/2 to 2/3" of the empirical rule in the README of the authors' repository
@@ -259,31 +258,81 @@ class GroupedAttention(RotateInAttention):
         trained = rotary.geometry.original_window
         group, window = rotary.params["group"], rotary.params["window"]
         inv_freq, scale = frame.angles(trained)  # the trained frequencies
+        extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
+        # One query row (a decode step) attends all its keys in one backend call, each key rotated
+        # by its distance to the query. Several rows would need a rotated copy of every key per
+        # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
+        if q_len == 1 and bool(extended.any()):
+            return self._one_query(module, query, key, value, attention_mask, attend, k_pos, extended, inv_freq, scale, kwargs)
         q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
         k_own = self.rotate_to(key, k_pos, inv_freq, scale)
-        extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
         if not bool(extended.any()):
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
         first = int(extended.any(0).nonzero()[0])
-        q_group = self.rotate_to(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
+        q_group = self.rotate_to(query[:, :, first:], self._grouped_query(frame.q_pos[:, first:]), inv_freq, scale)
         k_group = self.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
-        rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
-        for lo in range(first, q_len, rows):
-            hi = min(lo + rows, q_len)
-            outputs.append(self._grouped_rows(
-                (q_own, k_own), (q_group, k_group), value, attention_mask, extended, offset, lo, hi, window, kwargs.get("scaling")
-            ).transpose(1, 2))
+        scaling = kwargs.get("scaling")
+        # With no mask to honour but the causal one and every row from `first` on past the window
+        # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
+        # rows gets one.
+        if not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window:
+            outputs.append(self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling))
+        else:
+            rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
+            for lo in range(first, q_len, rows):
+                hi = min(lo + rows, q_len)
+                outputs.append(self._grouped_rows(
+                    (q_own, k_own), (q_group, k_group), value, attention_mask, extended, offset, first, lo, hi, window, scaling
+                ).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
 
-    def _grouped_rows(self, own, grouped, value, mask, extended, offset, lo, hi, window, scaling):
+    def _grouped_query(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """The grouped position of queries at `q_pos`: floor(i/G) + W - floor(W/G)."""
+        group, window = self.rotary.params["group"], self.rotary.params["window"]
+        return torch.div(q_pos, group, rounding_mode="floor") + (window - window // group)
+
+    def _one_query(self, module, query, key, value, attention_mask, attend, k_pos, extended, inv_freq, scale, kwargs):
+        """A single query row in one backend call. RoPE scores depend on the distance only,
+        <R(a)q, R(b)k> = <q, R(b - a)k>: the query sits at 0 and each key at its own position minus
+        the query's (neighbours, and every key of a row still inside the window) or at its grouped
+        position minus the query's grouped one (keys at an index distance of the window or more)."""
+        group, window = self.rotary.params["group"], self.rotary.params["window"]
+        q_pos = self.rotary.frame.q_pos  # [B, 1]
+        kv_len = key.shape[-2]
+        distant = (kv_len - 1 - torch.arange(kv_len, device=k_pos.device)) >= window  # [kv_len], by index
+        grouped = torch.div(k_pos, group, rounding_mode="floor") - self._grouped_query(q_pos)
+        relative = torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
+        # rotated at 0, not left as is: the rotation carries the attention factor
+        q_zero = self.rotate_to(query, torch.zeros_like(q_pos), inv_freq, scale)
+        return attend(module, q_zero, self.rotate_to(key, relative, inv_freq, scale), value, attention_mask, **kwargs)
+
+    @staticmethod
+    def _unmasked_rows(q_own, k_own, q_group, k_group, value, first, window, scaling):
+        """Query rows that are key indices first, first + 1, ... (first >= window), all past the
+        trained window and with no mask to honour but the causal one, as [B, rows, H, D], in calls
+        without a mask: the neighbours (rope_ext.attention.window_parts), and the distant keys
+        j <= q - window as the keys every row has, j < first - window, and a causal square after them."""
+        rows = q_own.shape[-2]
+        far = first - window  # the last distant key of row r is far + r
+        distant = []
+        if far:
+            distant.append(attend_with_lse(q_group, k_group[:, :, :far], value[:, :, :far], scale=scaling))
+        ahead = slice(far, far + rows)
+        distant.append(attend_with_lse(q_group, k_group[:, :, ahead], value[:, :, ahead], causal=True, scale=scaling))
+        outputs = [merge_by_lse([(out[:, :, lo:hi], lse[:, :, lo:hi], None) for out, lse in distant] + near)
+                   for lo, hi, near in window_parts(q_own, k_own, value, first, window, scaling)]
+        return torch.cat(outputs, dim=2).transpose(1, 2)
+
+    def _grouped_rows(self, own, grouped, value, mask, extended, offset, first, lo, hi, window, scaling):
         """Query rows [lo, hi) as [B, H, rows, D]: attention to the distant keys they group
         ([0, far_end), grouped positions) and to the keys they see with their own positions
-        ([near_lo, end)), one call each, merged by log-sum-exp into one softmax."""
+        ([near_lo, end)), one call each with a mask of their [rows, keys], merged by log-sum-exp into
+        one softmax. `grouped` holds the queries from row `first` on."""
         (q_own, k_own), (q_group, k_group) = own, grouped
         device, dtype = q_own.device, q_own.dtype
         end = offset + hi
@@ -302,7 +351,8 @@ class GroupedAttention(RotateInAttention):
         if far_end:
             far_ok = (rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None])[:, None]
             far_mask = self._additive(far_ok, None if mask is None else mask[:, :, lo:hi, :far_end], dtype)
-            out, lse = attend_with_lse(q_group[:, :, lo:hi], k_group[:, :, :far_end], value[:, :, :far_end], mask=far_mask, scale=scaling)
+            out, lse = attend_with_lse(q_group[:, :, lo - first : hi - first], k_group[:, :, :far_end], value[:, :, :far_end],
+                                       mask=far_mask, scale=scaling)
             parts.append((out, lse, (far_mask > torch.finfo(dtype).min).any(-1)))
         return merge_by_lse(parts)
 
