@@ -1,6 +1,8 @@
 """dca: Dual Chunk Attention (rope_ext.method.dca), against its definition written out with full
 [S, S] matrices, and on the tiny trained model."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -114,6 +116,20 @@ def test_a_decode_step_past_chunk_size_is_one_backend_call_per_layer(tiny_model,
     # each step: the intra-, successive- and inter-chunk keys in one call of the model's backend
     assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
     assert (steps - full[:, -5:]).abs().max() <= 1e-4
+
+
+def test_fp32_rounding_past_the_window_is_that_of_plain_attention(tiny_model, heldout_ids):
+    """The three parts merged by log-sum-exp add no error beyond fp32 rounding: against the same
+    model in fp64, the patched fp32 logits are about as close as plain attention's."""
+    window = tiny_model.config.max_position_embeddings
+    ids = heldout_ids[None, : 4 * window]
+    exact = copy.deepcopy(tiny_model).double()
+    with torch.no_grad():
+        plain_error = (tiny_model(ids).logits.double() - exact(ids).logits).abs().max()
+        rope_ext.patch(tiny_model, "dca", factor=4)
+        rope_ext.patch(exact, "dca", factor=4)
+        error = (tiny_model(ids).logits.double() - exact(ids).logits)[:, window:].abs().max()
+    assert error <= 2 * plain_error, (error, plain_error)
 
 
 def test_reads_past_the_window_better_than_plain_rope(tiny_path, heldout_ids):

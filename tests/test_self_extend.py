@@ -1,5 +1,6 @@
 """self_extend: SelfExtend's grouped attention (rope_ext.method.self_extend)."""
 
+import copy
 import warnings
 from fractions import Fraction
 
@@ -217,6 +218,21 @@ def _ppl(model, ids, first):
     with torch.no_grad():
         logits = model(ids).logits[0, first - 1 : -1]
     return torch.nn.functional.cross_entropy(logits, ids[0, first:]).exp().item()
+
+
+def test_fp32_rounding_past_the_window_is_that_of_plain_attention(tiny_model, heldout_ids):
+    """The attention calls merged by log-sum-exp add no error beyond fp32 rounding: against the same
+    model in fp64, the patched fp32 logits are about as close as plain attention's (measured 1.17e-5
+    against 9.9e-6 at 4x the window)."""
+    window = tiny_model.config.max_position_embeddings
+    ids = heldout_ids[None, : 4 * window]
+    exact = copy.deepcopy(tiny_model).double()
+    with torch.no_grad():
+        plain_error = (tiny_model(ids).logits.double() - exact(ids).logits).abs().max()
+        rope_ext.patch(tiny_model, "self_extend", factor=4)
+        rope_ext.patch(exact, "self_extend", factor=4)
+        error = (tiny_model(ids).logits.double() - exact(ids).logits)[:, window:].abs().max()
+    assert error <= 2 * plain_error, (error, plain_error)
 
 
 def test_beats_plain_rope_at_four_times_the_window(tiny_model, heldout_ids):

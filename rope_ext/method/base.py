@@ -212,6 +212,18 @@ def refuse_schedule(name: str, params: dict) -> None:
         )
 
 
+def check_switch_schedule(name: str, params: dict, switch: str) -> None:
+    """For attention-side methods whose queries switch to other positions once they have seen more
+    than the trained window (self_extend, rerope): causal chooses when, granularity does not apply."""
+    if not isinstance(params["causal"], bool):
+        raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
+    if params["granularity"] != 1:
+        raise ValueError(
+            f"{name}: granularity does not apply (a query switches to {switch} once it has seen more "
+            f"than the trained window); got {params['granularity']!r}"
+        )
+
+
 def require_backend(name: str, facts: ModelFacts, backends: tuple[str, ...]) -> None:
     """ValueError unless the model's attention backend is one the method runs on."""
     if facts.backend not in backends:

@@ -54,7 +54,7 @@ import torch
 from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, require_backend, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, check_switch_schedule, require_backend, trained_frequencies
 
 NAME = "self_extend"
 PARAMS = {"group": None, "window": None, "group_rule": None}
@@ -179,13 +179,7 @@ class SelfExtendMethod(Method):
             raise ValueError(f"{NAME}: group_rule must be None or one of {', '.join(map(repr, GROUP_RULES))}, got {merged['group_rule']!r}")
         if factor is None and merged["group"] is None:
             raise ValueError(f"{NAME} needs a factor (e.g. factor=4) or a group size (e.g. group=4)")
-        if not isinstance(merged["causal"], bool):
-            raise ValueError(f"{NAME}: causal must be True or False, got {merged['causal']!r}")
-        if merged["granularity"] != 1:
-            raise ValueError(
-                f"{NAME}: granularity does not apply (a query switches to grouped attention once it has seen more "
-                f"than the trained window); got {merged['granularity']!r}"
-            )
+        check_switch_schedule(NAME, merged, "grouped attention")
         if factor is not None:
             super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
@@ -256,7 +250,7 @@ class GroupedAttention(RotateInAttention):
         kv_len, q_len = key.shape[-2], query.shape[-2]
         k_pos = self.key_positions(kv_len)
         trained = rotary.geometry.original_window
-        group, window = rotary.params["group"], rotary.params["window"]
+        window = rotary.params["window"]
         inv_freq, scale = frame.angles(trained)  # the trained frequencies
         extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
         # One query row (a decode step) attends all its keys in one backend call, each key rotated
@@ -272,7 +266,7 @@ class GroupedAttention(RotateInAttention):
         offset = kv_len - q_len  # query row r is key index offset + r
         first = int(extended.any(0).nonzero()[0])
         q_group = self.rotate_to(query[:, :, first:], self._grouped_query(frame.q_pos[:, first:]), inv_freq, scale)
-        k_group = self.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        k_group = self.rotate_to(key, self._grouped_key(k_pos), inv_freq, scale)
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
@@ -291,21 +285,27 @@ class GroupedAttention(RotateInAttention):
                 ).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
 
+    # The positions of the distant part, one method each, so that a method with other positions
+    # for distant keys (rope_ext.method.rerope) reuses everything else here.
     def _grouped_query(self, q_pos: torch.Tensor) -> torch.Tensor:
         """The grouped position of queries at `q_pos`: floor(i/G) + W - floor(W/G)."""
         group, window = self.rotary.params["group"], self.rotary.params["window"]
         return torch.div(q_pos, group, rounding_mode="floor") + (window - window // group)
+
+    def _grouped_key(self, k_pos: torch.Tensor) -> torch.Tensor:
+        """The grouped position of keys at `k_pos`: floor(j/G)."""
+        return torch.div(k_pos, self.rotary.params["group"], rounding_mode="floor")
 
     def _one_query(self, module, query, key, value, attention_mask, attend, k_pos, extended, inv_freq, scale, kwargs):
         """A single query row in one backend call. RoPE scores depend on the distance only,
         <R(a)q, R(b)k> = <q, R(b - a)k>: the query sits at 0 and each key at its own position minus
         the query's (neighbours, and every key of a row still inside the window) or at its grouped
         position minus the query's grouped one (keys at an index distance of the window or more)."""
-        group, window = self.rotary.params["group"], self.rotary.params["window"]
+        window = self.rotary.params["window"]
         q_pos = self.rotary.frame.q_pos  # [B, 1]
         kv_len = key.shape[-2]
         distant = (kv_len - 1 - torch.arange(kv_len, device=k_pos.device)) >= window  # [kv_len], by index
-        grouped = torch.div(k_pos, group, rounding_mode="floor") - self._grouped_query(q_pos)
+        grouped = self._grouped_key(k_pos) - self._grouped_query(q_pos)
         relative = torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
         # rotated at 0, not left as is: the rotation carries the attention factor
         q_zero = self.rotate_to(query, torch.zeros_like(q_pos), inv_freq, scale)

@@ -1,0 +1,194 @@
+"""rerope: ReRoPE and Leaky ReRoPE (Jianlin Su 2023, "Transformer Upgrade Road 12: ReRoPE with
+Infinite Extrapolation", kexue.fm/archives/9708; reference code in github.com/bojone/rerope),
+training-free.
+
+For a query at position i and a key at position j <= i, with neighbour window w and leak k > 1:
+
+    i - j <  w:  relative distance i - j                    (neighbour attention, the usual RoPE)
+    i - j >= w:  relative distance w + (i - j - w) / k      (Leaky ReRoPE)
+                 relative distance w                        (ReRoPE, k = infinity)
+
+and both kinds of logits share one softmax. This is SelfExtend's two-part attention
+(rope_ext.method.self_extend) without the floor: distant keys sit at j / k and the query at
+i / k + w - w / k (ReRoPE: the keys at 0, the query at w). Positions are fractional; RoPE angles
+take them as they are (computed in fp32, rope_ext.rotation.cos_sin).
+
+ReRoPE's largest distance is w at any length, so it reaches every length. Leaky ReRoPE's largest
+distance at N tokens is w + (N - 1 - w) / k (the last query and the first key); it stays within
+the trained distances 0 .. L - 1 up to a capacity of floor(w + 1 + k (L - 1 - w)) tokens, L the
+trained window.
+
+Parameters:
+
+- `window` (w): defaults to L / 4, the window of the measurement in the README of bojone/rerope
+  (ReRoPE-w1024 on LLaMA-2, L = 4096; the patches there set 512). It must be below L.
+- `leak` (k): None (the default) is ReRoPE; a number > 1 is Leaky ReRoPE with that leak;
+  "auto" is Leaky ReRoPE with the smallest integer k >= 2 whose largest distance at
+  N = ceil(factor x L) stays within L - 1, i.e. k = max(2, ceil((N - 1 - w) / (L - 1 - w)))
+  (bojone/rerope's Leaky ReRoPE patch sets k = 16 for a 4096-token window).
+- `causal`: as self_extend. True (the default): a query that has seen at most L tokens attends
+  exactly as the unpatched model, so everything inside the trained window is unchanged and one
+  forward, chunked prefill and token-by-token decoding give the same numbers. False: every query
+  of a forward that goes past the window takes the rectified distances, as Su's patches do at
+  every length. `granularity` does not apply.
+
+Meaning of `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length).
+ReRoPE attends the same way at any length, so its factor only sets max_length, and ReRoPE needs
+one. Leaky ReRoPE with a leak and no factor is meant for its capacity (factor = capacity / L);
+with both, the factor must not exceed the capacity; leak="auto" needs a factor.
+
+Su's patches also scale queries past L by log(i + 1) / log(L); rope-ext does not (the same
+positions, the model's own logit scale).
+
+How it runs: as self_extend, by `GroupedAttention` with the distant positions above in place of
+the grouped ones (`RectifiedAttention`): rows inside the window through the model's own backend,
+rows past it in attention calls of the model's head size merged by log-sum-exp, a decode step in
+one backend call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+
+from rope_ext.geometry import RotaryGeometry
+
+from .base import MAX_FACTOR, SCHEDULE_PARAMS, Method, ModelFacts, as_number, as_size, check_switch_schedule, require_backend, trained_frequencies
+from .self_extend import GroupedAttention, default_window
+
+NAME = "rerope"
+PARAMS = {"window": None, "leak": None}
+SUMMARY = "ReRoPE / Leaky ReRoPE: exact distances inside a window, w + (d - w)/k past it (k = infinity: w)"
+FORMULA = "i-j < w: distance i-j; else w + (i-j-w)/k (leak k), or w (ReRoPE, leak None); one softmax"
+BACKENDS = ("eager", "sdpa")  # GroupedAttention's block-wise masks
+AUTO = "auto"  # leak: the smallest integer leak that reaches the factor
+
+
+def capacity(window_tokens: int, window: int, leak) -> int:
+    """Tokens a model trained on `window_tokens` reaches with Leaky ReRoPE at window w and leak k:
+    the largest N whose largest distance w + (N - 1 - w) / k is at most L - 1."""
+    return math.floor(window + 1 + Fraction(leak) * (window_tokens - 1 - window))
+
+
+def largest_distance(target: int, window: int, leak) -> Fraction:
+    """The largest relative distance at N = `target` tokens: w + (N - 1 - w) / k, w for ReRoPE."""
+    if leak is None or target - 1 <= window:
+        return Fraction(min(window, max(target - 1, 0)))
+    return window + Fraction(target - 1 - window) / Fraction(leak)
+
+
+def choose_leak(window_tokens: int, target: int, window: int) -> int:
+    """The smallest integer leak k >= 2 whose capacity reaches `target` tokens."""
+    if window >= window_tokens - 1:
+        raise ValueError(
+            f"{NAME}: Leaky ReRoPE at window {window} reaches only {window_tokens} tokens (its distances past the window "
+            f"exceed L - 1 = {window_tokens - 1} at once); lower the window or use leak=None (ReRoPE)"
+        )
+    leak = max(2, math.ceil(Fraction(target - 1 - window, window_tokens - 1 - window)))
+    while capacity(window_tokens, window, leak) < target:  # guards the rounding of the ceiling above
+        leak += 1
+    return leak
+
+
+@dataclass(frozen=True)
+class ReRoPEMethod(Method):
+    """rerope as a Method: the trained frequencies, the window and the leak. Dynamic in rope-ext's
+    sense (keys are cached before rotation); the attention is `RectifiedAttention`."""
+
+    @property
+    def rescales(self) -> bool:
+        return False  # the trained frequencies at every length
+
+    def validate(self, factor, params: dict) -> dict:
+        self.check_known(params)
+        merged = {**self.all_params, **params}
+        if merged["window"] is not None:
+            merged["window"] = as_size(merged["window"], f"{NAME}: window (or None for the default)")
+        leak = merged["leak"]
+        auto = isinstance(leak, str) and leak == AUTO
+        if leak is not None and not auto:
+            try:
+                leak = as_number(leak, f"{NAME}: leak")
+            except ValueError:
+                raise ValueError(f"{NAME}: leak must be None (ReRoPE), {AUTO!r} or a number > 1, got {leak!r}") from None
+            if not (math.isfinite(leak) and 1 < leak <= MAX_FACTOR):
+                raise ValueError(f"{NAME}: leak must be a finite number > 1 and <= {MAX_FACTOR:.0f} "
+                                 f"(leak=None is ReRoPE, the limit of a large leak), got {leak!r}")
+            merged["leak"] = leak
+        if factor is None and (leak is None or auto):
+            raise ValueError(
+                f"{NAME} needs a factor (e.g. factor=4): "
+                + ("ReRoPE (leak=None) reaches any length, the factor states the length it is meant for"
+                   if leak is None else f"leak={AUTO!r} picks the leak that reaches it")
+                + "; or give a leak (e.g. leak=8) and the factor is its capacity"
+            )
+        check_switch_schedule(NAME, merged, "rectified distances")
+        if factor is not None:
+            super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
+        return merged
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
+        changing nothing, when they do not fit the model's window or the model cannot run them."""
+        require_backend(NAME, facts, BACKENDS)
+        trained = geometry.original_window
+        window = params["window"] if params["window"] is not None else default_window(trained)
+        if window >= trained:
+            raise ValueError(f"{NAME}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
+        leak = params["leak"]
+        if isinstance(leak, str):  # AUTO, the one string validate lets through
+            leak = choose_leak(trained, math.ceil(trained * factor), window)
+        if leak is not None:
+            reach = capacity(trained, window, leak)
+            if factor is None:
+                factor = reach / trained
+            elif reach < factor * trained * (1 - 1e-12):
+                raise ValueError(
+                    f"{NAME}: leak {leak:g} with window {window} reaches {reach} tokens, less than factor {factor:g} x {trained} "
+                    f"(its largest distance w + (N - 1 - w)/k must stay within {trained - 1}); raise the leak, lower the "
+                    f"window or the factor, or use leak={AUTO!r} or leak=None (ReRoPE)"
+                )
+            if not factor > 1:
+                raise ValueError(f"{NAME}: leak {leak:g} with window {window} does not extend a {trained}-token window")
+        return float(factor), {**params, "window": window, "leak": leak}
+
+    def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
+        """The largest relative distance at max_length, against the largest trained one."""
+        trained = geometry.original_window
+        target = math.ceil(trained * factor)
+        value = largest_distance(target, params["window"], params["leak"])
+        return {"largest_distance": {
+            "statement": "w (ReRoPE) or w + (N - 1 - w) / k (Leaky ReRoPE) <= L - 1",
+            "target": target, "value": float(value), "limit": trained - 1, "holds": value <= trained - 1,
+        }}
+
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        return [RectifiedAttention(rotary)]
+
+
+METHOD = ReRoPEMethod(
+    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
+    # no native form: a plain reload is the unpatched model, so the config keeps its window
+    needs_attention_interface=True, keeps_config_window=True, factor_required=False,
+)
+
+
+class RectifiedAttention(GroupedAttention):
+    """GroupedAttention with ReRoPE's distant positions: keys at j / k and queries at
+    i / k + w - w / k (fp32, fractional), or keys at 0 and queries at w for ReRoPE. The neighbour
+    part, the exact rows inside the window and the split by index distance are GroupedAttention's."""
+
+    def _grouped_query(self, q_pos: torch.Tensor) -> torch.Tensor:
+        window, leak = self.rotary.params["window"], self.rotary.params["leak"]
+        if leak is None:
+            return torch.full_like(q_pos, window)
+        return q_pos.float() / leak + (window - window / leak)
+
+    def _grouped_key(self, k_pos: torch.Tensor) -> torch.Tensor:
+        leak = self.rotary.params["leak"]
+        if leak is None:
+            return torch.zeros_like(k_pos)
+        return k_pos.float() / leak
