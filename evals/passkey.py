@@ -33,6 +33,7 @@ FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 KEY_RANGE = (1, 50000)
+PARTIAL = "passkey.partial.json"  # the trials answered so far, while a run goes on
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,10 @@ def grid(lengths, depths, trials: int, limit: int | None = None) -> list[tuple[i
 
 
 def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 5, seed: int = 0,
-               limit: int | None = None, progress: bool = True) -> dict:
+               limit: int | None = None, progress: bool = True, on_trial=None) -> dict:
     """Run the grid; returns {"trials": [...], "accuracy": {length: {depth: acc}},
-    "by_length": {length: acc}, "accuracy_overall": acc}."""
+    "by_length": {length: acc}, "accuracy_overall": acc}. `on_trial(result)`, if given, receives
+    the same summary of the trials answered so far after each one."""
     lengths, depths = sorted(set(lengths)), sorted(set(depths))
     if not lengths or not depths:
         raise ValueError("give at least one length and one depth")
@@ -177,6 +179,8 @@ def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 
         records[length, depth, trial] = {"length": length, "depth": depth, "trial": trial, "key": prompt.key,
                                          "prompt_tokens": len(prompt.ids), "answer": text, "predicted": predicted,
                                          "correct": predicted == prompt.key}
+        if on_trial is not None:
+            on_trial(summarize([records[cell] for cell in cells if cell in records]))
     return summarize([records[cell] for cell in cells])
 
 
@@ -239,12 +243,21 @@ def run(args: argparse.Namespace, plan) -> int:
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
     record = output.provenance(model, args.model)
-    started = time.perf_counter()
-    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix), tokenizer, lengths, args.depths,
-                        args.trials, args.seed, args.limit, progress=not args.no_progress)
     setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
-             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix, "seconds": round(time.perf_counter() - started, 2)}
+             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix}
+    started = time.perf_counter()
+    # rewritten after every trial, so a long run that is stopped keeps the answers it has
+    partial = output.ResultFolder(out.folder, "passkey", [], overwrite=True)
+
+    def keep(so_far: dict) -> None:
+        seconds = round(time.perf_counter() - started, 2)
+        partial.write_json(PARTIAL, {"setup": {**setup, "seconds": seconds}, **so_far, "provenance": record})
+
+    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix), tokenizer, lengths, args.depths,
+                        args.trials, args.seed, args.limit, progress=not args.no_progress, on_trial=keep)
+    setup["seconds"] = round(time.perf_counter() - started, 2)
     out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
+    partial.path(PARTIAL).unlink()
     text = markdown(result, setup) + "\n" + output.provenance_line(record)
     out.write_text("passkey.md", text)
     from .plots import passkey_heatmap

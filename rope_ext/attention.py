@@ -220,6 +220,16 @@ class RotateInAttention(AttentionTransform):
         cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
         return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
 
+    def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
+        """One query row in one backend call, each key at `distances` [B or 1, kv_len] from it (its
+        position minus the query's, in the position maps of the method). RoPE scores depend on
+        the distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query is rotated at 0 and each key
+        at its distance, so keys that the method places at different query positions still go
+        through one call."""
+        # rotated at 0, not left as is: the rotation carries the attention factor
+        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale)
+        return attend(module, q_zero, self.rotate_to(key, distances, inv_freq, scale), value, attention_mask, **kwargs)
+
     def key_positions(self, kv_len: int) -> torch.Tensor:
         """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
         k_pos = self.rotary.frame.k_pos

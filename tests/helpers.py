@@ -86,12 +86,12 @@ def ppl_past_window(path, passages: torch.LongTensor, method: str, window: int =
     return math.exp(torch.stack(nll).mean().item())
 
 
-def assert_refused_unchanged(method: str, kwargs: dict, message: str) -> None:
-    """rope_ext.patch(random model, method, **kwargs) raises a ValueError matching `message` and
-    leaves the model's logits and patch state as they were."""
+def assert_refused_unchanged(method: str, kwargs: dict, message: str, model=None) -> None:
+    """rope_ext.patch(model, method, **kwargs) raises a ValueError matching `message` and leaves the
+    model's logits and patch state as they were; `model` defaults to a fresh random one."""
     import pytest
 
-    model = random_model()
+    model = random_model() if model is None else model
     x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(x).logits
@@ -102,14 +102,21 @@ def assert_refused_unchanged(method: str, kwargs: dict, message: str) -> None:
         assert torch.equal(model(x).logits, before)
 
 
-def assert_refuses_other_backends_and_padding(method: str) -> None:
-    """`method` refuses a backend other than eager/sdpa at patch time, and a padded batch when run."""
+def assert_refuses_other_backends(method: str) -> None:
+    """`method` refuses a backend other than eager/sdpa at patch time, naming itself and the backend."""
     import pytest
 
     model = random_model()
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="eager or sdpa"):
+    with pytest.raises(ValueError, match=f"{method} runs on the eager or sdpa attention backend, not 'flex_attention'"):
         rope_ext.patch(model, method, factor=4)
+
+
+def assert_refuses_other_backends_and_padding(method: str) -> None:
+    """`method` refuses a backend other than eager/sdpa at patch time, and a padded batch when run."""
+    import pytest
+
+    assert_refuses_other_backends(method)
     model = random_model()
     rope_ext.patch(model, method, factor=4)
     x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0)).expand(2, -1)

@@ -79,9 +79,33 @@ def test_cli_writes_json_table_and_heatmap(tiny_path, tmp_path):
     assert set(saved["accuracy"]) == {"150", "256"}
     assert (out / "passkey.png").stat().st_size > 1000
     assert "| length \\ depth |" in (out / "passkey.md").read_text()
+    assert not (out / passkey.PARTIAL).exists()  # the finished run leaves its results only
     with pytest.raises(ValueError, match="too small"):
         passkey.main(["--model", str(tiny_path), "--lengths", "30", "--output", str(tmp_path / "x"), "--no-progress"])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_stopped_run_keeps_the_trials_it_answered(tiny_path, tmp_path, monkeypatch):
+    def answerer(*args, **kwargs):
+        asked = []
+
+        def answer(prompt):
+            if len(asked) == 2:
+                raise KeyboardInterrupt
+            asked.append(prompt)
+            return f" {prompt.key}."
+
+        return answer
+
+    monkeypatch.setattr(passkey, "model_answerer", answerer)
+    out = tmp_path / "pk"
+    with pytest.raises(KeyboardInterrupt):
+        passkey.main(["--model", str(tiny_path), "--lengths", "120", "--depths", "0.2", "0.8", "--trials", "2", "--max-new-tokens", "4",
+                      "--output", str(out), "--no-progress"])
+    kept = json.loads((out / passkey.PARTIAL).read_text())
+    assert [(t["depth"], t["trial"]) for t in kept["trials"]] == [(0.8, 0), (0.8, 1)]  # the deepest key is asked first
+    assert kept["accuracy"] == {"120": {"0.8": 1.0}} and kept["setup"]["seconds"] >= 0
+    assert not (out / "passkey.json").exists()
 
 
 def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):

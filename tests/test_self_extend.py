@@ -14,7 +14,7 @@ from rope_ext.attention import AttentionChain, AttentionTransform
 from rope_ext.evals import loading
 from rope_ext.method import self_extend
 
-from helpers import WINDOW, random_model
+from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends, random_model
 
 
 def rotate(x, positions, base, dim):
@@ -293,21 +293,13 @@ def test_factor_group_and_window(tiny_model):
         ({"factor": 4, "window": 100, "group_rule": "authors"}, "no group follows its authors' rule at window 100"),
     ],
 )
-def test_bad_parameters_change_nothing(tiny_model, heldout_ids, kwargs, message):
-    ids = heldout_ids[None, :64]
-    with torch.no_grad():
-        before = tiny_model(ids).logits
-    with pytest.raises(ValueError, match=message):
-        rope_ext.patch(tiny_model, "self_extend", **kwargs)
-    assert rope_ext.describe(tiny_model) is None
-    with torch.no_grad():
-        assert torch.equal(tiny_model(ids).logits, before)
+def test_bad_parameters_change_nothing(tiny_model, kwargs, message):
+    # the messages name the tiny model's 128-token window: refused on that model, not a random one
+    assert_refused_unchanged("self_extend", kwargs, message, model=tiny_model)
 
 
-def test_unsupported_backend_is_refused(tiny_model):
-    tiny_model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="eager or sdpa"):
-        rope_ext.patch(tiny_model, "self_extend", factor=4)
+def test_unsupported_backend_is_refused():
+    assert_refuses_other_backends("self_extend")
 
 
 def test_unpatch_save_and_reload(tiny_model, heldout_ids, tmp_path):

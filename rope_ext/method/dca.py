@@ -116,8 +116,8 @@ class DualChunkAttention(RotateInAttention):
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in parts per chunk.
         if q_len == 1 and not exact:
-            return self._one_query(module, query, key, value, attention_mask, attend, k_pos[:1], int(positions[0, 0]), span, chunk,
-                                   inv_freq, scale, kwargs)
+            distances = self._distances(k_pos[:1], int(positions[0, 0]), span, chunk)
+            return self.attend_at_distances(module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs)
         outputs = []
         offset = kv_len - q_len
         if exact:
@@ -136,16 +136,15 @@ class DualChunkAttention(RotateInAttention):
                                                 inv_freq, scale, scaling).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
 
-    def _one_query(self, module, query, key, value, attention_mask, attend, k_pos, position, span, chunk, inv_freq, scale, kwargs):
-        """The query at `position` (>= chunk_size) in one backend call. RoPE scores depend on the
-        distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query sits at 0 and each key at its place
-        in its chunk minus the query's intra-, successive- or inter-chunk position."""
+    @staticmethod
+    def _distances(k_pos: torch.Tensor, position: int, span: int, chunk: int) -> torch.Tensor:
+        """[1, kv_len]: each key's distance from the single query at `position` (>= chunk_size;
+        attend_at_distances): its place in its chunk minus the query's intra-, successive- or
+        inter-chunk position."""
         n, within = divmod(position, span)
         key_chunk = torch.div(k_pos, span, rounding_mode="floor")
         query_at = torch.where(key_chunk == n, within, torch.where(key_chunk == n - 1, min(within + span, chunk - 1), chunk - 1))
-        # rotated at 0, not left as is: the rotation carries the attention factor
-        q_zero = self.rotate_to(query, torch.zeros_like(k_pos[:, :1]), inv_freq, scale)
-        return attend(module, q_zero, self.rotate_to(key, k_pos % span - query_at, inv_freq, scale), value, attention_mask, **kwargs)
+        return k_pos % span - query_at
 
     def _chunk_rows(self, query, keys, value, positions, first, n, span, chunk, inv_freq, scale, scaling):
         """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts, each

@@ -257,7 +257,8 @@ class GroupedAttention(RotateInAttention):
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
         if q_len == 1 and bool(extended.any()):
-            return self._one_query(module, query, key, value, attention_mask, attend, k_pos, extended, inv_freq, scale, kwargs)
+            return self.attend_at_distances(module, query, key, value, attention_mask, attend,
+                                            self._distances(k_pos, extended), inv_freq, scale, kwargs)
         q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
         k_own = self.rotate_to(key, k_pos, inv_freq, scale)
         if not bool(extended.any()):
@@ -296,20 +297,17 @@ class GroupedAttention(RotateInAttention):
         """The grouped position of keys at `k_pos`: floor(j/G)."""
         return torch.div(k_pos, self.rotary.params["group"], rounding_mode="floor")
 
-    def _one_query(self, module, query, key, value, attention_mask, attend, k_pos, extended, inv_freq, scale, kwargs):
-        """A single query row in one backend call. RoPE scores depend on the distance only,
-        <R(a)q, R(b)k> = <q, R(b - a)k>: the query sits at 0 and each key at its own position minus
-        the query's (neighbours, and every key of a row still inside the window) or at its grouped
-        position minus the query's grouped one (keys at an index distance of the window or more)."""
+    def _distances(self, k_pos: torch.Tensor, extended: torch.Tensor) -> torch.Tensor:
+        """[B, kv_len]: each key's distance from a single query row (attend_at_distances): its own
+        position minus the query's (neighbours, and every key of a row still inside the window),
+        or its grouped position minus the query's grouped one (keys at an index distance of the
+        window or more)."""
         window = self.rotary.params["window"]
         q_pos = self.rotary.frame.q_pos  # [B, 1]
-        kv_len = key.shape[-2]
+        kv_len = k_pos.shape[-1]
         distant = (kv_len - 1 - torch.arange(kv_len, device=k_pos.device)) >= window  # [kv_len], by index
         grouped = self._grouped_key(k_pos) - self._grouped_query(q_pos)
-        relative = torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
-        # rotated at 0, not left as is: the rotation carries the attention factor
-        q_zero = self.rotate_to(query, torch.zeros_like(q_pos), inv_freq, scale)
-        return attend(module, q_zero, self.rotate_to(key, relative, inv_freq, scale), value, attention_mask, **kwargs)
+        return torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
 
     @staticmethod
     def _unmasked_rows(q_own, k_own, q_group, k_group, value, first, window, scaling):
