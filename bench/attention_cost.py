@@ -8,9 +8,13 @@ embedded SmolLM2, and the agreement of self_extend with its one-softmax formulat
    against the one-softmax formulation it replaced (one call on doubled head dims: queries
    [q_own, q_grouped], keys [k_own, 0] and [0, k_grouped]), which `OneSoftmax` below keeps as
    the reference: forward time, and max |delta logit| over every position in fp32.
+3. With --fp64: each variant once more in fp64 (angles stay fp32, as in every dtype), and each fp32
+   variant's max |delta logit| against its own fp64 run: the fp32 rounding of each way to compute
+   attention, which tells whether item 2's difference is rounding or a different function.
 
     python bench/attention_cost.py              # ~15 min on 2 CPU cores
     python bench/attention_cost.py --length 4096 --repeats 1   # a quick look
+    python bench/attention_cost.py --repeats 1 --fp64          # ~40 min
 """
 
 from __future__ import annotations
@@ -94,9 +98,11 @@ def forward(model, ids) -> tuple[float, torch.Tensor]:
 
 
 @torch.inference_mode()
-def max_logit_difference(model, a: torch.Tensor, b: torch.Tensor) -> float:
-    head = model.get_output_embeddings()
-    return max((head(a[:, i : i + HEAD_ROWS]).float() - head(b[:, i : i + HEAD_ROWS]).float()).abs().max().item()
+def max_logit_difference(model, a: torch.Tensor, b: torch.Tensor, model_b=None) -> float:
+    """max |logits(a) - logits(b)| over every position, hidden states a through `model`'s LM head and
+    b through `model_b`'s (default: the same), compared in the wider of the two dtypes."""
+    head_a, head_b = model.get_output_embeddings(), (model_b or model).get_output_embeddings()
+    return max((head_a(a[:, i : i + HEAD_ROWS]).double() - head_b(b[:, i : i + HEAD_ROWS]).double()).abs().max().item()
                for i in range(0, a.shape[1], HEAD_ROWS))
 
 
@@ -104,6 +110,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp64", action="store_true", help="also run each variant in fp64 and compare its fp32 logits with them")
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
     if args.out.exists():
@@ -132,6 +139,17 @@ def main() -> None:
     for name, s in seconds.items():
         print(f"| {name} | {min(s):.1f} | {results['ratio_to_plain'][name]:.3f} | {results['median_ratio_to_plain'][name]:.3f} |")
     print(f"\nself_extend vs its one-softmax formulation: max |delta logit| = {results['self_extend_max_abs_logit_difference']:.2e} (fp32)")
+    if args.fp64:
+        rounding = {}
+        for name, variant in tqdm(variants.items(), desc=f"fp64 x{args.length}"):
+            twin = copy.deepcopy(variant).double()
+            _, exact = forward(twin, ids)
+            rounding[name] = max_logit_difference(variant, hidden[name], exact, twin)
+            del twin, exact
+        results["fp32_max_abs_logit_difference_to_fp64"] = rounding
+        print("\nfp32 against the same variant in fp64: max |delta logit|\n| variant | max abs |\n|---|---|")
+        for name, value in rounding.items():
+            print(f"| {name} | {value:.2e} |")
     write_measurement(args.out, results)
 
 
