@@ -14,6 +14,7 @@ comes last because it is defined on the queries and keys the backend finally see
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from typing import Callable
 
@@ -156,7 +157,8 @@ def _bind(transform: AttentionTransform, attend: Callable) -> Callable:
 
 
 class RotateInAttention(AttentionTransform):
-    """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py).
+    """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py), the
+    queries scaled first where the patch has `logn` on (`scale_queries`).
 
     Queries that use different scalings (causal schedule past the window) are attended in groups,
     each against keys rotated with that group's scaling; causality is by index, as in the model."""
@@ -186,6 +188,7 @@ class RotateInAttention(AttentionTransform):
         self._hooks = []
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        query = self.scale_queries(query)
         frame = self.rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         written = frame.k_pos.shape[-1]
@@ -214,6 +217,21 @@ class RotateInAttention(AttentionTransform):
             chosen = (lengths[:, lo:hi] == length)[..., None, None]
             out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
         return out, None
+
+    def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, Sq, D] with the `logn` parameter on (docs/logn.md): each row at a position p
+        past the trained window L times log(p + 1) / log(L), Qwen's log-n scale, so that attention
+        over more keys than L stays about as sharp as over L; the rest times exactly 1, so the rows
+        inside the window keep their bits. The scale commutes with the rotation: applied first, it
+        reaches every way the query is attended afterwards (in parts, at distances)."""
+        if not self.rotary.params.get("logn"):
+            return query
+        q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
+        past = q_pos + 1 > window
+        if not bool(past.any()):
+            return query
+        scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
+        return query * scale[:, None, :, None].to(query.dtype)
 
     def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
         """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies."""

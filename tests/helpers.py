@@ -7,7 +7,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import rope_ext
 
@@ -76,14 +76,25 @@ def ppl(nll: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def ppl_past_window(path, passages: torch.LongTensor, method: str, window: int = 128) -> float:
+def ppl_past_window(path, passages: torch.LongTensor, method: str, window: int = 128, **params) -> float:
     """Perplexity over the positions past `window` of each passage [n, T + 1], the mean of the
-    passages' mean NLL, for the checkpoint at `path` unpatched ("plain") or with `method` x4."""
+    passages' mean NLL, for the checkpoint at `path` unpatched ("plain") or with `method` x4 and
+    `params`."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     if method != "plain":
-        rope_ext.patch(model, method, factor=4)
+        rope_ext.patch(model, method, factor=4, **params)
     nll = [F.cross_entropy(model(row[None, :-1]).logits[0, window:], row[window + 1 :]) for row in passages]
     return math.exp(torch.stack(nll).mean().item())
+
+
+@torch.no_grad()
+def cached_logits(model, ids: torch.LongTensor, step: int, prefill: int = 0) -> torch.Tensor:
+    """Logits of ids[:, prefill:] fed `step` tokens per forward through one DynamicCache, after one
+    forward of ids[:, :prefill]: chunked prefill, or with step 1 token-by-token decoding."""
+    cache = DynamicCache(config=model.config)
+    if prefill:
+        model(ids[:, :prefill], cache=cache, use_cache=True)
+    return torch.cat([model(chunk, cache=cache, use_cache=True).logits for chunk in ids[:, prefill:].split(step, dim=1)], dim=1)
 
 
 def assert_refused_unchanged(method: str, kwargs: dict, message: str, model=None) -> None:

@@ -22,7 +22,9 @@ What a method may add is declared on it, never special-cased by the orchestratio
   (rope_ext.chunked), for a method that can let keys go (sink_window); None: transformers'
   DynamicCache;
 - `keeps_config_window`: the config's max_position_embeddings stays the trained window even
-  where `native` reloads the patch (a method without a native form always keeps it).
+  where `native` reloads the patch (a method without a native form always keeps it);
+- `takes_logn`: the method has the `logn` parameter (LOGN_PARAMS), for a dynamic method whose
+  attention rotates each query itself at its own position (rope_ext.attention.RotateInAttention).
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ FrequencyFn = Callable[..., "tuple[torch.Tensor, float]"]
 # token-by-token decoding; causal=False uses one scaling per forward from its longest position, as
 # transformers does. granularity=g re-scales every g tokens past the window instead of every token.
 SCHEDULE_PARAMS = {"causal": True, "granularity": 1}
+
+# Qwen's log-n attention scale (docs/logn.md): logn=True multiplies a query at position p past the
+# trained window L by log(p + 1) / log(L). Read by the attention (RotateInAttention.scale_queries),
+# not by the math, so it needs a per-query hook: only methods with `takes_logn` have it.
+LOGN_PARAMS = {"logn": False}
 
 # Bounds that keep the arithmetic finite: positions and windows are int64 tensors that a product
 # of two such sizes must not overflow; the max_length of factor x window must be an int; cos/sin
@@ -77,6 +84,7 @@ class Method:
     needs_attention_interface: bool = False
     keeps_config_window: bool = False
     factor_required: bool = True
+    takes_logn: bool = False
 
     @property
     def rescales(self) -> bool:
@@ -86,7 +94,7 @@ class Method:
 
     @property
     def all_params(self) -> dict:
-        return {**self.params, **(SCHEDULE_PARAMS if self.dynamic else {})}
+        return {**self.params, **(SCHEDULE_PARAMS if self.dynamic else {}), **(LOGN_PARAMS if self.takes_logn else {})}
 
     def bind(self, params: dict) -> Method:
         return self
@@ -146,7 +154,7 @@ class Method:
         return None
 
     def __call__(self, geom: RotaryGeometry, seq_len: int | None, factor: float, params: dict):
-        math_params = {k: v for k, v in params.items() if k not in SCHEDULE_PARAMS}
+        math_params = {k: v for k, v in params.items() if k not in SCHEDULE_PARAMS and k not in LOGN_PARAMS}
         return self.fn(geom, seq_len, factor=factor, **math_params)
 
 
@@ -200,6 +208,12 @@ def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = N
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
     """The model's own frequencies, for methods that change attention rather than the rotation."""
     return default_inv_freq(geom), 1.0
+
+
+def check_logn(name: str, params: dict) -> None:
+    """For methods that check their own parameters (Method.validate checks every flag)."""
+    if not isinstance(params["logn"], bool):
+        raise ValueError(f"{name}: logn must be True or False, got {params['logn']!r}")
 
 
 def refuse_schedule(name: str, params: dict) -> None:

@@ -16,7 +16,8 @@ A query at a position below c sees only distances below c, and the maps above gi
 distances: such queries attend with their own positions, exactly as the unpatched model (bit for
 bit). The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
 mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
-token-by-token decoding give the same numbers.
+token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
+queries past the trained window (docs/logn.md).
 
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
 without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
@@ -39,7 +40,7 @@ import torch
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, require_backend, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, check_logn, refuse_schedule, require_backend, trained_frequencies
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
@@ -66,6 +67,7 @@ class DualChunkMethod(Method):
             if merged[key] is not None:
                 merged[key] = as_size(merged[key], f"{NAME}: {key} (or None for the default)")
         refuse_schedule(NAME, merged)
+        check_logn(NAME, merged)
         super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
 
@@ -88,7 +90,7 @@ class DualChunkMethod(Method):
 METHOD = DualChunkMethod(
     NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
     # no native form: a plain reload is the unpatched model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True,
+    needs_attention_interface=True, keeps_config_window=True, takes_logn=True,
 )
 
 
@@ -102,6 +104,7 @@ class DualChunkAttention(RotateInAttention):
     rotates = True
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        query = self.scale_queries(query)
         rotary = self.rotary
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]

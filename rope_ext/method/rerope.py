@@ -31,14 +31,13 @@ Parameters:
   forward, chunked prefill and token-by-token decoding give the same numbers. False: every query
   of a forward that goes past the window takes the rectified distances, as Su's patches do at
   every length. `granularity` does not apply.
+- `logn`: True multiplies queries past L by log(i + 1) / log(L), as Su's patches also do (Qwen's
+  log-n scale, docs/logn.md); False (the default) keeps the model's logit scale.
 
 Meaning of `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length).
 ReRoPE attends the same way at any length, so its factor only sets max_length, and ReRoPE needs
 one. Leaky ReRoPE with a leak and no factor is meant for its capacity (factor = capacity / L);
 with both, the factor must not exceed the capacity; leak="auto" needs a factor.
-
-Su's patches also scale queries past L by log(i + 1) / log(L); rope-ext does not (the same
-positions, the model's own logit scale).
 
 How it runs: as self_extend, by `GroupedAttention` with the distant positions above in place of
 the grouped ones (`RectifiedAttention`): rows inside the window through the model's own backend,
@@ -56,7 +55,10 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import MAX_FACTOR, SCHEDULE_PARAMS, Method, ModelFacts, as_number, as_size, check_switch_schedule, require_backend, trained_frequencies
+from .base import (
+    MAX_FACTOR, SCHEDULE_PARAMS, Method, ModelFacts, as_number, as_size, check_logn, check_switch_schedule, require_backend,
+    trained_frequencies,
+)
 from .self_extend import GroupedAttention, default_window
 
 NAME = "rerope"
@@ -126,6 +128,7 @@ class ReRoPEMethod(Method):
                 + "; or give a leak (e.g. leak=8) and the factor is its capacity"
             )
         check_switch_schedule(NAME, merged, "rectified distances")
+        check_logn(NAME, merged)
         if factor is not None:
             super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
@@ -172,7 +175,7 @@ class ReRoPEMethod(Method):
 METHOD = ReRoPEMethod(
     NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
     # no native form: a plain reload is the unpatched model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True, factor_required=False,
+    needs_attention_interface=True, keeps_config_window=True, factor_required=False, takes_logn=True,
 )
 
 

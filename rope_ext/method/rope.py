@@ -9,6 +9,10 @@ docs/references.md, "Scaling formulas".
 Where transformers has the same method, the arithmetic follows the same order in the same dtype,
 so a patched model matches a natively configured one bit-for-bit, and `native` gives the
 `rope_parameters` under which transformers reloads the patch by itself.
+
+The dynamic methods also take `logn`, Qwen's log-n scale of the queries past the trained window,
+which their attention applies (rope_ext.attention.RotateInAttention.scale_queries, docs/logn.md).
+The static ones cannot: the model's own attention applies their (cos, sin) to queries and keys.
 """
 
 from __future__ import annotations
@@ -205,13 +209,14 @@ METHODS = [
     ),
     RopeMethod(
         "dynamic", dynamic, "dynamic NTK: NTK base grown with the current length L'",
-        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", dynamic=True,
+        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", dynamic=True, takes_logn=True,
         # transformers' `dynamic` reads max_position_embeddings as the original window, so the
-        # config keeps it. It is this method with causal=False only: transformers has no
-        # per-token schedule, so the causal one has no native form (rope_ext.from_pretrained).
+        # config keeps it. It is this method with causal=False and logn=False only: transformers
+        # has no per-token schedule and no log-n scale, so the others have no native form
+        # (rope_ext.from_pretrained).
         keeps_config_window=True,
         native_fn=lambda g, factor, params, rope: (
-            None if params["causal"] else {"rope_type": "dynamic", "factor": factor, **_base(g, rope)}
+            None if params["causal"] or params["logn"] else {"rope_type": "dynamic", "factor": factor, **_base(g, rope)}
         ),
     ),
     RopeMethod(
@@ -223,6 +228,7 @@ METHODS = [
         "dynamic_yarn", dynamic_yarn, "YaRN with s = max(1, L'/L)",
         # No native form: a plain reload is the unscaled model, so the config keeps its window.
         "yarn with s recomputed from the current length", params=dict(_YARN_PARAMS), dynamic=True, keeps_config_window=True,
+        takes_logn=True,
     ),
     RopeMethod(
         "ntk_by_parts", ntk_by_parts, "YaRN's frequency ramp without temperature",

@@ -17,7 +17,8 @@ input gives the same numbers in one forward, in chunks through the KV cache, and
 Meaning of `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length).
 Give `group` and `window` and the factor is the capacity above, G * (L - W + W // G) / L; give a
 factor and `group_rule` picks the group; give both and the factor must not exceed the capacity.
-`window` defaults to L / 4.
+`window` defaults to L / 4. `logn=True` adds Qwen's log-n scale to the queries past L
+(docs/logn.md).
 
 The authors' rule: for N tokens, the grouped span W + (N - W) / G (the largest distance the grouped
 attention gives) should stay within about 2/3 of L. `group_rule` names how a group that is not given
@@ -54,7 +55,7 @@ import torch
 from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, check_switch_schedule, require_backend, trained_frequencies
+from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, check_logn, check_switch_schedule, require_backend, trained_frequencies
 
 NAME = "self_extend"
 PARAMS = {"group": None, "window": None, "group_rule": None}
@@ -180,6 +181,7 @@ class SelfExtendMethod(Method):
         if factor is None and merged["group"] is None:
             raise ValueError(f"{NAME} needs a factor (e.g. factor=4) or a group size (e.g. group=4)")
         check_switch_schedule(NAME, merged, "grouped attention")
+        check_logn(NAME, merged)
         if factor is not None:
             super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
         return merged
@@ -232,7 +234,7 @@ class SelfExtendMethod(Method):
 METHOD = SelfExtendMethod(
     NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
     # no native form: a plain reload is the unscaled model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True, factor_required=False,
+    needs_attention_interface=True, keeps_config_window=True, factor_required=False, takes_logn=True,
 )
 
 
@@ -245,6 +247,7 @@ class GroupedAttention(RotateInAttention):
     rotates = True
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        query = self.scale_queries(query)
         rotary = self.rotary
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
