@@ -12,6 +12,7 @@ with (seed, length, depth, trial), so a cell's keys do not depend on the rest of
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import sys
@@ -155,10 +156,11 @@ def grid(lengths, depths, trials: int, limit: int | None = None) -> list[tuple[i
 
 
 def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 5, seed: int = 0,
-               limit: int | None = None, progress: bool = True, on_trial=None) -> dict:
+               limit: int | None = None, progress: bool = True, on_trial=None, answered=()) -> dict:
     """Run the grid; returns {"trials": [...], "accuracy": {length: {depth: acc}},
     "by_length": {length: acc}, "accuracy_overall": acc}. `on_trial(result)`, if given, receives
-    the same summary of the trials answered so far after each one."""
+    the same summary of the trials answered so far after each one. `answered`: trial records of an
+    earlier run with the same setup (a stopped run's "trials"); those of this grid are kept, not asked."""
     lengths, depths = sorted(set(lengths)), sorted(set(depths))
     if not lengths or not depths:
         raise ValueError("give at least one length and one depth")
@@ -168,10 +170,10 @@ def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 
     for n in lengths:  # a length too small for the prompt fails here, before any trial runs
         build_prompt(tokenizer, n, 0.0, KEY_RANGE[1])
     cells = grid(lengths, depths, trials, limit)
+    records = kept_trials(answered, cells, seed)
     # asked by length, deepest key first: the prompts of a length then share their filler with the
     # first one asked (model_answerer's share_prefix); the records keep the grid's order
-    asked = sorted(cells, key=lambda cell: (cell[0], -cell[1], cell[2]))
-    records = {}
+    asked = sorted((cell for cell in cells if cell not in records), key=lambda cell: (cell[0], -cell[1], cell[2]))
     for length, depth, trial in tqdm(asked, desc="passkey", unit="trial", disable=not progress, file=sys.stderr):
         prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, trial))
         text = answer(prompt)
@@ -182,6 +184,20 @@ def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 
         if on_trial is not None:
             on_trial(summarize([records[cell] for cell in cells if cell in records]))
     return summarize([records[cell] for cell in cells])
+
+
+def kept_trials(answered, cells: list, seed: int) -> dict:
+    """{cell: record} of the earlier trials that belong to this grid; ValueError when one holds a
+    key this seed would not draw (it came from another grid)."""
+    wanted, kept = set(cells), {}
+    for r in answered:
+        cell = (r["length"], r["depth"], r["trial"])
+        if cell not in wanted:
+            continue
+        if r["key"] != trial_key(seed, *cell):
+            raise ValueError(f"the kept trial {cell} has key {r['key']}, not seed {seed}'s {trial_key(seed, *cell)}")
+        kept[cell] = r
+    return kept
 
 
 def summarize(records: list[dict]) -> dict:
@@ -233,11 +249,34 @@ def check(args: argparse.Namespace):
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
-    return params, output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
+    out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
+    return params, out, stopped_run(args)
+
+
+def stopped_run(args: argparse.Namespace) -> dict | None:
+    """--resume: the PARTIAL file of --output, read before the model loads."""
+    if not args.resume:
+        return None
+    if args.output is None:
+        raise ValueError("--resume needs --output, the folder of the stopped run")
+    path = output.ResultFolder(args.output, "passkey", []).path(PARTIAL)
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: {path} does not exist (a finished run removes it)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def same_setup(stopped: dict, setup: dict) -> None:
+    """ValueError naming what differs between a stopped run's setup and this one's."""
+    theirs = {k: v for k, v in stopped["setup"].items() if k != "seconds"}
+    ours = output.clean_json(setup)
+    differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    if differ:
+        raise ValueError(f"--resume: the stopped run had another setup ({', '.join(differ)} differ); "
+                         "run it with the same model, method, parameters and grid options")
 
 
 def run(args: argparse.Namespace, plan) -> int:
-    params, out = plan
+    params, out, stopped = plan
     model, tokenizer, info = loading.model_from_args(args, params)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
@@ -245,7 +284,10 @@ def run(args: argparse.Namespace, plan) -> int:
     record = output.provenance(model, args.model)
     setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix}
-    started = time.perf_counter()
+    if stopped is not None:
+        same_setup(stopped, setup)
+    earlier = stopped["setup"]["seconds"] if stopped else 0.0
+    started = time.perf_counter() - earlier
     # rewritten after every trial, so a long run that is stopped keeps the answers it has
     partial = output.ResultFolder(out.folder, "passkey", [], overwrite=True)
 
@@ -254,7 +296,8 @@ def run(args: argparse.Namespace, plan) -> int:
         partial.write_json(PARTIAL, {"setup": {**setup, "seconds": seconds}, **so_far, "provenance": record})
 
     result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix), tokenizer, lengths, args.depths,
-                        args.trials, args.seed, args.limit, progress=not args.no_progress, on_trial=keep)
+                        args.trials, args.seed, args.limit, progress=not args.no_progress, on_trial=keep,
+                        answered=stopped["trials"] if stopped else ())
     setup["seconds"] = round(time.perf_counter() - started, 2)
     out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
     partial.path(PARTIAL).unlink()

@@ -112,6 +112,8 @@ def passkey(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share-prefix", action="store_true",
                         help="prompts of one length start from the cache of the first one, cut to the tokens they share, and "
                              "prefill only the rest (a chunked prefill: the same answers, up to rounding; not with sink_window)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the trials in --output's passkey.partial.json (a stopped run with the same setup) and ask only the rest")
     model_arguments(parser)
     output_arguments(parser)
 

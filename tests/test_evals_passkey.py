@@ -108,6 +108,56 @@ def test_a_stopped_run_keeps_the_trials_it_answered(tiny_path, tmp_path, monkeyp
     assert not (out / "passkey.json").exists()
 
 
+def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path, tmp_path, monkeypatch):
+    asked = []
+
+    def answerer(*args, stop_after=None, **kwargs):
+        def answer(prompt):
+            if len(asked) == stop_after:
+                raise KeyboardInterrupt
+            asked.append((prompt.depth, prompt.key))
+            return f" {prompt.key}." if prompt.depth > 0.5 else " 7."
+
+        return answer
+
+    argv = ["--model", str(tiny_path), "--lengths", "120", "--depths", "0.2", "0.8", "--trials", "2", "--max-new-tokens", "4", "--no-progress"]
+    monkeypatch.setattr(passkey, "model_answerer", answerer)
+    assert passkey.main(argv + ["--output", str(tmp_path / "whole")]) == 0
+    whole = json.loads((tmp_path / "whole" / "passkey.json").read_text())
+
+    out = tmp_path / "pk"
+    monkeypatch.setattr(passkey, "model_answerer", lambda *a, **k: answerer(stop_after=len(asked) + 3))
+    with pytest.raises(KeyboardInterrupt):
+        passkey.main(argv + ["--output", str(out)])
+    stopped = (out / passkey.PARTIAL).read_text()
+    assert len(json.loads(stopped)["trials"]) == 3
+
+    with pytest.raises(ValueError, match="another setup \\(seed differ"):  # checked before any trial; the partial file stays
+        passkey.main(argv + ["--output", str(out), "--resume", "--seed", "1"])
+    assert (out / passkey.PARTIAL).read_text() == stopped
+
+    monkeypatch.setattr(passkey, "model_answerer", answerer)
+    before = len(asked)
+    assert passkey.main(argv + ["--output", str(out), "--resume"]) == 0
+    last = next(t for t in whole["trials"] if (t["depth"], t["trial"]) == (0.2, 1))
+    assert asked[before:] == [(0.2, last["key"])]  # only the trial the stopped run did not reach
+    resumed = json.loads((out / "passkey.json").read_text())
+    assert resumed["trials"] == whole["trials"] and resumed["accuracy"] == whole["accuracy"] == {"120": {"0.2": 0.0, "0.8": 1.0}}
+    assert resumed["setup"]["seconds"] >= json.loads(stopped)["setup"]["seconds"]
+    assert not (out / passkey.PARTIAL).exists()
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        passkey.main(argv + ["--output", str(tmp_path / "none"), "--resume"])
+
+
+def test_kept_trials_from_another_seed_are_refused():
+    cell = (120, 0.5, 0)
+    record = {"length": 120, "depth": 0.5, "trial": 0, "key": passkey.trial_key(3, *cell)}
+    assert passkey.kept_trials([record], [cell], seed=3) == {cell: record}
+    assert passkey.kept_trials([record], [(120, 0.2, 0)], seed=0) == {}  # not in this grid: left out
+    with pytest.raises(ValueError, match="not seed 0's"):
+        passkey.kept_trials([record], [cell], seed=0)
+
+
 def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):
     answer = passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6)
     prompt = passkey.build_prompt(tiny_tokenizer, 120, 0.5, 123)

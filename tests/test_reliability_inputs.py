@@ -72,6 +72,7 @@ def test_ppl_checks_everything_before_the_model_loads(no_model, tmp_path, capsys
     (["--depths", "1.5"], "--depths"),
     (["--trials", "0"], "--trials"),
     (["--method", "dynamic", "--factor", "2", "--param", "granularity=0"], "granularity"),
+    (["--resume"], "passkey.partial.json does not exist"),
 ])
 def test_passkey_checks_everything_before_the_model_loads(no_model, tmp_path, capsys, argv, words):
     assert words in refused(["eval", "passkey", *argv, "--output", str(tmp_path / "k")], capsys)
