@@ -250,16 +250,16 @@ def check(args: argparse.Namespace):
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
     out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
-    return params, out, stopped_run(args)
+    return params, out, stopped_run(args, out)
 
 
-def stopped_run(args: argparse.Namespace) -> dict | None:
+def stopped_run(args: argparse.Namespace, out: output.ResultFolder) -> dict | None:
     """--resume: the PARTIAL file of --output, read before the model loads."""
     if not args.resume:
         return None
     if args.output is None:
         raise ValueError("--resume needs --output, the folder of the stopped run")
-    path = output.ResultFolder(args.output, "passkey", []).path(PARTIAL)
+    path = out.path(PARTIAL)
     if not path.is_file():
         raise FileNotFoundError(f"--resume: {path} does not exist (a finished run removes it)")
     return json.loads(path.read_text(encoding="utf-8"))
@@ -284,9 +284,10 @@ def run(args: argparse.Namespace, plan) -> int:
     record = output.provenance(model, args.model)
     setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix}
+    earlier = 0.0
     if stopped is not None:
         same_setup(stopped, setup)
-    earlier = stopped["setup"]["seconds"] if stopped else 0.0
+        earlier = stopped["setup"]["seconds"]
     started = time.perf_counter() - earlier
     # rewritten after every trial, so a long run that is stopped keeps the answers it has
     partial = output.ResultFolder(out.folder, "passkey", [], overwrite=True)
