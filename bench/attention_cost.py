@@ -32,13 +32,14 @@ import rope_ext
 from rope_ext.attention import AttentionChain
 from rope_ext.defaults import gutenberg_text, load_smollm2
 from rope_ext.evals.output import provenance, write_measurement
-from rope_ext.method.self_extend import SCORE_BYTES, GroupedAttention
+from rope_ext.attention import SCORE_BYTES
+from rope_ext.method.attention_side import TwoPartAttention
 
 FACTOR = 4.0
 HEAD_ROWS = 1024  # positions sent through the LM head at a time when comparing logits
 
 
-class OneSoftmax(GroupedAttention):
+class OneSoftmax(TwoPartAttention):
     """self_extend's grouped rows as one backend call on doubled head dims: a dot product of
     [q_own, q_grouped] with [k_own, 0] or [0, k_grouped] picks one pair of positions."""
 

@@ -105,7 +105,7 @@ def copy_prefix(model, cache, length: int):
 def _warn_slow_schedule(model, chunk_size: int) -> None:
     """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
     patch = _patch(model)
-    if patch is None or not patch[0].rescales:
+    if patch is None or not patch[0].follows_length:
         return
     method, params = patch
     if params.get("causal", True) and params["granularity"] < chunk_size:

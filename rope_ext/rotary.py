@@ -1,28 +1,137 @@
-"""The rotary module rope-ext installs in place of a model's own (the rotation math: rotation.py).
+"""The rotary module rope-ext installs in place of a model's own (the rotation math: rotation.py),
+and the one dynamic-rotation engine every family's module uses.
 
 Static methods (linear, ntk, yarn, ...) are a new set of frequencies: the module returns (cos, sin)
 exactly as transformers' rotary modules do and the model's attention applies them unchanged.
 
-Dynamic methods (dynamic, dynamic_yarn) pick their frequencies from the current length. With a KV
-cache that breaks incremental decoding in transformers (issue #25104): keys cached at step t were
-rotated with step t's base, the query at step t+1 uses another. Here the module instead hands the
-attention layers an identity rotation, so the cache holds keys *before* rotation, and the
-rope-ext attention function (attention.py) rotates queries and all keys with the frequencies of
-the current length at every step. A full forward and token-by-token decoding then see the same
-angles for every key, in any dtype.
+Methods that rotate inside attention (`Method.rotation == "attention"`: dynamic, dynamic_yarn and
+the attention-side methods) need each key's position at every step. Dynamic methods pick their
+frequencies from the current length; with a KV cache that breaks incremental decoding in
+transformers (issue #25104): keys cached at step t were rotated with step t's base, the query at
+step t+1 uses another. Here the module instead hands the attention layers an identity rotation, so
+the cache holds keys *before* rotation, and the rope-ext attention (rope_ext.attention.rotate)
+rotates queries and all keys with the frequencies of the current length at every step. A full
+forward and token-by-token decoding then see the same angles for every key, in any dtype.
+`DynamicRotation` is that engine: which positions the keys of each KV cache have (through crops,
+copies and assisted decoding) and the causal schedule, as one `RotationFrame` per forward.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
 from torch import nn
 
 from .geometry import RotaryGeometry
-from .method.base import Method
+from .method.base import SCHEDULE_PARAMS, Method
 from .rotation import RotationFrame, cos_sin
+
+
+def position_geometry(geometry: RotaryGeometry, ratio: float) -> RotaryGeometry:
+    """The geometry in a checkpoint's position units, positions divided by `ratio`: a window of
+    L / ratio positions."""
+    if ratio == 1:
+        return geometry
+    window = geometry.original_window / ratio
+    return replace(geometry, original_window=int(window) if window.is_integer() else window)
+
+
+def with_position_ratio(method: Method, ratio: float) -> Method:
+    """`method` on a checkpoint trained with its positions divided by `ratio` (a linear scaling it
+    keeps under the patch): the method's frequencies in the checkpoint's position units, divided
+    by the ratio. Methods see the window in those units (`position_geometry`), and dynamic methods
+    the length, rounded up, so that their schedule moves in steps of `ratio` tokens."""
+    if ratio == 1:
+        return method
+    frequencies = method.fn
+
+    def fn(geom: RotaryGeometry, seq_len: int | None = None, *, factor, **params):
+        length = None if seq_len is None else math.ceil(seq_len / ratio)
+        inv_freq, scale = frequencies(position_geometry(geom, ratio), length, factor=factor, **params)
+        return inv_freq / ratio, scale
+
+    return replace(method, fn=fn)
+
+
+class KeyPositions:
+    """The positions of the keys each KV cache holds, by the cache object's identity: a
+    transformers Cache, or the tensor that stands for a tuple cache. Weak, so that a cache the
+    caller drops is not kept alive; by identity, so that tensors are never compared by value."""
+
+    def __init__(self):
+        self._written: list[tuple[weakref.ref, torch.Tensor]] = []
+
+    def get(self, cache) -> torch.Tensor | None:
+        return next((positions for ref, positions in self._written if ref() is cache), None)
+
+    def set(self, cache, positions: torch.Tensor) -> None:
+        self._written = [(ref, p) for ref, p in self._written if ref() is not None and ref() is not cache]
+        self._written.append((weakref.ref(cache), positions))
+
+
+class DynamicRotation:
+    """One forward's positions and frequencies for a patch that rotates inside attention.
+
+    `start(q_pos, cache, held)` at the start of a forward makes `frame`: the queries' positions,
+    the keys' (those the cache holds, then the new ones) and the length whose scaling each query
+    uses; `finish(cache)` after it records where the cache's keys sit. `frequencies(length)` are
+    the method's (inv_freq, attention_factor) for that length, on `device` (the module that owns
+    the engine keeps it where its buffers are)."""
+
+    def __init__(self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, device: torch.device):
+        self.method, self.factor, self.params, self.geometry = method, factor, params, geometry
+        self.device = device
+        self.positions = KeyPositions()
+        self.frame: RotationFrame | None = None
+
+    def frequencies(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
+        inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
+        return inv_freq.to(self.device), scale
+
+    def scaled_lengths(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """The length whose scaling each query uses (SCHEDULE_PARAMS, rope_ext.method.base).
+        Every length inside the window maps to the window itself: one group, original angles."""
+        window = self.geometry.original_window
+        schedule = {**SCHEDULE_PARAMS, **{k: self.params[k] for k in self.method.schedule}}
+        if not schedule["causal"]:
+            return torch.full_like(q_pos, max(window, int(q_pos.max()) + 1))
+        seen = q_pos + 1
+        g = schedule["granularity"]
+        past = torch.div(seen - window + g - 1, g, rounding_mode="floor") * g
+        return torch.where(seen <= window, window, window + past)
+
+    def start(self, q_pos: torch.Tensor, cache=None, held: int | None = None) -> RotationFrame:
+        """The frame of a forward whose queries sit at `q_pos` [B, Sq], after the keys `cache` holds
+        (the first `held` of those it was written with: a cache may get shorter, as assisted
+        decoding crops rejected candidates; None: all of them)."""
+        k_pos = q_pos
+        if cache is not None:
+            past = self.positions.get(cache)
+            if past is None or (held is not None and past.shape[-1] < held):
+                raise RuntimeError(
+                    "rope_ext: this KV cache holds keys that the patched model did not write "
+                    "(filled before patching, or reordered); start from a fresh cache"
+                )
+            past = past if held is None else past[..., :held]
+            k_pos = torch.cat((past.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
+        self.frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
+        return self.frame
+
+    def finish(self, cache) -> None:
+        """Remember where the keys of `cache` (returned by the forward that made the frame) sit.
+        The frame stays: gradient checkpointing re-runs attention during backward."""
+        if cache is not None and self.frame is not None:
+            self.positions.set(cache, self.frame.k_pos)
+
+    def copy_positions(self, source, target, length: int) -> None:
+        """`target` holds the first `length` keys of `source`: it gets their positions."""
+        positions = self.positions.get(source)
+        if positions is not None:
+            self.positions.set(target, positions[..., :length])
 
 
 class ExtendedRotaryEmbedding(nn.Module):
@@ -48,10 +157,8 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.original_max_seq_len = geometry.original_window
         inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
         self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
-        # Per KV cache: the positions of the keys it holds, so later steps can rotate them.
-        self._key_positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
         self._pending_cache = None
-        self.frame: RotationFrame | None = None
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts buffers too; angles must stay fp32, so recompute the
@@ -59,46 +166,29 @@ class ExtendedRotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         inv_freq, _ = self.method(self.geometry, None, self.factor, self.params)
         self.inv_freq = inv_freq.to(self.inv_freq.device)
+        self.rotation.device = self.inv_freq.device
         return self
 
     @property
     def dynamic(self) -> bool:
         return self.method.dynamic
 
-    def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
-        if not self.dynamic:
-            return self.inv_freq, self.attention_scaling
-        inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
-        return inv_freq.to(self.inv_freq.device), scale
+    @property
+    def frame(self) -> RotationFrame | None:
+        return self.rotation.frame
 
-    def scaled_lengths(self, q_pos: torch.Tensor) -> torch.Tensor:
-        """The length whose scaling each query uses (SCHEDULE_PARAMS, rope_ext.method.base).
-        Every length inside the window maps to the window itself: one group, original angles."""
-        window = self.geometry.original_window
-        if not self.params["causal"]:
-            return torch.full_like(q_pos, max(window, int(q_pos.max()) + 1))
-        seen = q_pos + 1
-        g = self.params["granularity"]
-        past = torch.div(seen - window + g - 1, g, rounding_mode="floor") * g
-        return torch.where(seen <= window, window, window + past)
+    def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        if not self.method.follows_length:
+            return self.inv_freq, self.attention_scaling
+        return self.rotation.frequencies(seq_len)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         if not self.dynamic:
             return cos_sin(self.inv_freq, self.attention_scaling, position_ids, x.dtype)
         q_pos = position_ids.expand(x.shape[0], -1)
-        k_pos = q_pos
         cache = self._pending_cache
-        if cache is not None and (held := cache.get_seq_length()) > 0:
-            past = self._key_positions.get(cache)
-            # A cache may get shorter (assisted decoding crops rejected candidates): the keys that
-            # remain are the oldest ones, at the positions they were written with.
-            if past is None or past.shape[-1] < held:
-                raise RuntimeError(
-                    "rope_ext: this KV cache holds keys that the patched model did not write "
-                    "(filled before patching, or reordered); start from a fresh cache"
-                )
-            k_pos = torch.cat((past[..., :held].expand(x.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
-        self.frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
+        held = 0 if cache is None else cache.get_seq_length()
+        self.rotation.start(q_pos, cache if held > 0 else None, held)
         # The attention layers get an identity rotation, so the cache stores un-rotated keys;
         # the rope-ext attention function rotates queries and keys with `self.frame`.
         shape = (*q_pos.shape, self.geometry.rotary_dim)
@@ -110,16 +200,13 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     def after_forward(self, cache) -> None:
         """Called by a forward hook on the decoder: remember where the cached keys sit."""
-        if cache is not None and self.frame is not None:
-            self._key_positions[cache] = self.frame.k_pos
-        # The frame stays: gradient checkpointing re-runs attention during backward.
+        self.rotation.finish(cache)
         self._pending_cache = None
 
     def copy_positions(self, source, target, length: int) -> None:
         """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it
         gets their positions, so later forwards can rotate them."""
-        if source in self._key_positions:
-            self._key_positions[target] = self._key_positions[source][..., :length]
+        self.rotation.copy_positions(source, target, length)
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())

@@ -14,7 +14,7 @@ from helpers import assert_refused_unchanged, cached_logits, ppl_past_window
 
 TRAINED = 128  # the tiny model's window
 METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"]
-# one method per attention transform (RotateInAttention, GroupedAttention, DualChunkAttention)
+# one method per attention transform (RotateInAttention, TwoPartAttention, DualChunkAttention)
 CACHED = ["dynamic", "self_extend", "dca"]
 
 

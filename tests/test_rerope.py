@@ -10,6 +10,7 @@ from transformers import DynamicCache
 import rope_ext
 from rope_ext.attention import AttentionChain, AttentionTransform
 from rope_ext.method import rerope
+from rope_ext.method.attention_side import TwoPartAttention
 from rope_ext.rotation import apply_rotary, cos_sin
 
 from helpers import assert_refused_unchanged, assert_refuses_other_backends
@@ -119,7 +120,7 @@ def test_inside_the_window_the_model_is_the_unpatched_one_bit_for_bit(tiny_model
                                                      (None, 20, False, "eager"), (3, 40, False, "sdpa")])
 def test_past_the_window_it_is_the_explicit_distance_matrix(tiny_model, heldout_ids, leak, window, causal, attn):
     """At every layer, on the model's own queries, keys and values: one forward and a left-padded
-    batch (masked blocks of rows, GroupedAttention's `_grouped_rows`) against the reference; then
+    batch (masked blocks of rows, TwoPartAttention's `_masked_rows`) against the reference; then
     the whole model with the reference in place of the attention."""
     tiny_model.set_attn_implementation(attn)
     length, pad = 3 * TRAINED - 5, 5
@@ -214,8 +215,9 @@ def test_greedy_generation_past_the_window_matches_one_forward(tiny_model, heldo
 def test_rotation_takes_fractional_positions_with_fp32_angles(tiny_model):
     rope_ext.patch(tiny_model, "rerope", factor=2, leak=4.5)
     attention = tiny_model.model.layers[0].self_attn.rope_ext_attention.transforms[0]
-    assert isinstance(attention, rerope.RectifiedAttention)
-    positions = attention._grouped_key(torch.arange(300)[None])
+    assert isinstance(attention, TwoPartAttention)
+    rotary = tiny_model.model.rotary_emb
+    positions = rotary.method.distant_key(torch.arange(300)[None], rotary.params)
     assert positions.dtype == torch.float32 and positions[0, 1] == pytest.approx(1 / 4.5)
     x = torch.randn(1, 2, 300, 32, generator=torch.Generator().manual_seed(0))
     inv_freq, _ = tiny_model.model.rotary_emb.frequencies(TRAINED)

@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache
 
 import rope_ext
-from rope_ext import attention
+from rope_ext.attention import parts as attention
 from rope_ext.attention import AttentionChain, AttentionTransform
 from rope_ext.evals import loading
-from rope_ext.method import self_extend
+from rope_ext.method import attention_side, self_extend
 
 from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends, random_model
 
@@ -95,7 +95,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
     with torch.no_grad():
         set_chain(model, [NaiveSelfExtend(rotary, group, window)])
         reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
-        set_chain(model, [self_extend.GroupedAttention(rotary)])
+        set_chain(model, [attention_side.TwoPartAttention(rotary)])
         # rows past the window attend through attend_with_lse: record the masks it gets
         masks = []
         attend_with_lse = attention.attend_with_lse
@@ -104,7 +104,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
             masks.append(0 if mask is None else mask.numel())
             return attend_with_lse(query, key, value, mask=mask, **kwargs)
 
-        monkeypatch.setattr(self_extend, "attend_with_lse", recorded)
+        monkeypatch.setattr(attention_side, "attend_with_lse", recorded)
         monkeypatch.setattr(attention, "attend_with_lse", recorded)
         full = model(ids).logits
         one_forward, masks = masks, []
@@ -116,7 +116,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
         steps = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(3 * WINDOW, length)], dim=1)
         # a padded batch: blocks of query rows, each with a mask of its keys; 10 rows per block
         # (fp32 scores of 2 sequences x 4 heads x 10 query rows x at most length + window keys)
-        monkeypatch.setattr(self_extend, "SCORE_BYTES", 4 * 2 * 4 * 10 * (length + window))
+        monkeypatch.setattr(attention_side, "SCORE_BYTES", 4 * 2 * 4 * 10 * (length + window))
         padded = model(batch, attention_mask=padding, position_ids=positions).logits
     assert (full - reference).abs().max() <= 1e-5
     assert (chunked - reference).abs().max() <= 1e-5
@@ -200,8 +200,8 @@ def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model,
     info = rope_ext.patch(tiny_model, "self_extend", group=3, window=32)  # 32 % 3 != 0: distance 32 is grouped differently
     ids = heldout_ids[None, : info.max_length]  # 318
     counter = CountCalls()
-    set_chain(tiny_model, [self_extend.GroupedAttention(tiny_model.model.rotary_emb), counter])
-    lse = count_lse_calls(monkeypatch, self_extend, attention)  # the window attention calls it from rope_ext.attention
+    set_chain(tiny_model, [attention_side.TwoPartAttention(tiny_model.model.rotary_emb), counter])
+    lse = count_lse_calls(monkeypatch, attention_side, attention)  # the window attention calls it from rope_ext.attention
     with torch.no_grad():
         full = tiny_model(ids).logits
         cache = DynamicCache(config=tiny_model.config)

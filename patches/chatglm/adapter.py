@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -38,11 +36,10 @@ from rope_ext import record as patch_record
 from rope_ext.attention import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
-from rope_ext.rotary import ExtendedRotaryEmbedding
+from rope_ext.rotary import DynamicRotation, with_position_ratio
 from rope_ext.rotation import RotationFrame, cos_sin
 
 from ..base import FamilyAdapter, unwrap
-from ..glm import position_geometry, prescaled_frequencies
 
 BASE = 10000  # every ChatGLM rotary module starts from this base
 PROBE_LENGTH = 4100  # past 256 and 2048, where bf16 and fp16 positions stop being exact
@@ -185,18 +182,17 @@ class ChatGLMRotaryEmbedding(nn.Module):
         seq_first: bool | None = None,
     ):
         super().__init__()
+        self.position_ratio = float(original["position_ratio"])
+        method = with_position_ratio(method, self.position_ratio)
         self.method, self.factor, self.params, self.geometry = method, factor, dict(params), geometry
         self.original = original
         self.seq_first = seq_first  # layout of the attention tensors; read for dynamic methods only
         self._replaced = (original_module,)  # a tuple, so it is not registered as a submodule
-        self.position_ratio = float(original["position_ratio"])
-        self.method_geometry = position_geometry(geometry, self.position_ratio)
-        inv_freq, self.attention_scaling = self._compute(None)
+        inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
         self.scaled_inv_freq = nn.Buffer(inv_freq.to(original_module.inv_freq.device), persistent=False)
         self.inv_freq = nn.Buffer(original_module.inv_freq.detach().clone())
+        self.rotation = DynamicRotation(method, factor, self.params, geometry, self.scaled_inv_freq.device)
         self.needed_length = 0
-        self.frame: RotationFrame | None = None
-        self._written: list[tuple[weakref.ref, torch.Tensor]] = []  # (cache, positions of its keys)
         self._table: torch.Tensor | None = None
 
     @property
@@ -207,22 +203,23 @@ class ChatGLMRotaryEmbedding(nn.Module):
     def original_module(self) -> nn.Module:
         return self._replaced[0]
 
-    def _compute(self, seq_len):
-        return prescaled_frequencies(self.method, self.method_geometry, self.factor, self.params, seq_len, self.position_ratio)
+    @property
+    def frame(self) -> RotationFrame | None:
+        return self.rotation.frame
 
     def _apply(self, fn, recurse=True):
         # A cast of the model casts `inv_freq` (it sets the table's dtype, as in the original);
         # the frequencies stay fp32.
         super()._apply(fn, recurse)
-        self.scaled_inv_freq = self._compute(None)[0].to(self.inv_freq.device)
+        self.scaled_inv_freq = self.method(self.geometry, None, self.factor, self.params)[0].to(self.inv_freq.device)
+        self.rotation.device = self.inv_freq.device
         self._table = None
         return self
 
     def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
-        if not self.dynamic:
+        if not self.method.follows_length:
             return self.scaled_inv_freq, self.attention_scaling
-        inv_freq, scale = self._compute(seq_len)
-        return inv_freq.to(self.inv_freq.device), scale
+        return self.rotation.frequencies(seq_len)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         # `offset` is part of the interface and unused, as in the ChatGLM code.
@@ -246,10 +243,6 @@ class ChatGLMRotaryEmbedding(nn.Module):
         positions = torch.arange(length, device=device)
         cos, sin = cos_sin(self.scaled_inv_freq, self.attention_scaling, positions, dtype)
         return torch.stack((cos[:, :pairs], sin[:, :pairs]), dim=-1)
-
-    def scaled_lengths(self, q_pos: torch.Tensor) -> torch.Tensor:
-        # The same causal schedule as the core module (it reads only `geometry` and `params`).
-        return ExtendedRotaryEmbedding.scaled_lengths(self, q_pos)
 
     # The transformer's hooks are bound methods, not closures: `copy.deepcopy` of the model then
     # gives hooks that call the copy's module.
@@ -276,26 +269,13 @@ class ChatGLMRotaryEmbedding(nn.Module):
         if not self.dynamic:
             return
         past = inputs.get("past_key_values")
-        k_pos = q_pos
-        if _has_entries(past):
-            key = _cache_object(past)
-            self._written = [(ref, pos) for ref, pos in self._written if ref() is not None]
-            written = next((pos for ref, pos in self._written if ref() is key), None)
-            if written is None:
-                raise RuntimeError(
-                    "rope_ext: this KV cache holds keys that the patched model did not write "
-                    "(filled before patching, or reordered); start from a fresh cache"
-                )
-            k_pos = torch.cat((written.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
-        self.frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
+        self.rotation.start(q_pos, _cache_object(past) if _has_entries(past) else None)
 
     def after_forward(self, output) -> None:
         """Called by a forward hook on the transformer: remember where the returned cache's keys sit."""
         cache = _returned_cache(output)
-        if self.dynamic and cache is not None and self.frame is not None:
-            key = _cache_object(cache)
-            self._written = [(ref, pos) for ref, pos in self._written if ref() is not None and ref() is not key]
-            self._written.append((weakref.ref(key), self.frame.k_pos))
+        if self.dynamic and cache is not None:
+            self.rotation.finish(_cache_object(cache))
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())

@@ -147,7 +147,7 @@ def hybrid_method(params: dict) -> HybridMethod:
 
     return HybridMethod(
         NAME, frequencies, SUMMARY, FORMULA, params={**PARAMS, "rope": rope, **(inner.params if inner else {})},
-        dynamic=inner.dynamic if inner else False, needs_attention_interface=True, rope=inner,
+        rotation=inner.rotation if inner else "static", follows_length=bool(inner and inner.follows_length), rope=inner,
     )
 
 

@@ -14,7 +14,6 @@ What a method may add is declared on it, never special-cased by the orchestratio
 - `native(geometry, factor, params, rope)`: the transformers `rope_parameters` that reproduce the
   method on a plain reload, or None (`native_over_linear`: the same on a checkpoint that keeps
   its own linear scaling);
-- `needs_attention_interface`: attention must run through transformers' AttentionInterface;
 - `load_state(model, path, params)`: state a saved checkpoint holds beyond the config;
 - `notes(geometry, factor, params)`: what the method states about the parameters it resolved, as
   data for PatchInfo.notes (self_extend: whether its authors' rule holds);
@@ -23,8 +22,21 @@ What a method may add is declared on it, never special-cased by the orchestratio
   DynamicCache;
 - `keeps_config_window`: the config's max_position_embeddings stays the trained window even
   where `native` reloads the patch (a method without a native form always keeps it);
-- `takes_logn`: the method has the `logn` parameter (LOGN_PARAMS), for a dynamic method whose
-  attention rotates each query itself at its own position (rope_ext.attention.RotateInAttention).
+- `takes_logn`: the method has the `logn` parameter (LOGN_PARAMS), for a method whose attention
+  rotates each query itself at its own position (rope_ext.attention.RotateInAttention).
+
+Two facts say how the rotation runs, and the flags the orchestration reads follow from them:
+
+- `rotation`: "static", the rotary module's (cos, sin) rotate queries and keys before the KV cache
+  as in the unpatched model; or "attention", the cache keeps keys before rotation and attention
+  rotates queries and keys at every forward (`dynamic`), so that a key's angle may change as the
+  input grows and decode still equals one forward;
+- `follows_length`: the frequencies follow the length a query has seen (dynamic NTK, dynamic
+  YaRN), which needs the rotation inside attention and brings the causal schedule's parameters
+  (SCHEDULE_PARAMS).
+
+`needs_attention_interface` follows from the method having attention transforms; attention-side
+methods (rope_ext.method.attention_side) declare what they add on top of this contract there.
 """
 
 from __future__ import annotations
@@ -45,6 +57,8 @@ FrequencyFn = Callable[..., "tuple[torch.Tensor, float]"]
 # token-by-token decoding; causal=False uses one scaling per forward from its longest position, as
 # transformers does. granularity=g re-scales every g tokens past the window instead of every token.
 SCHEDULE_PARAMS = {"causal": True, "granularity": 1}
+
+ROTATIONS = ("static", "attention")
 
 # Qwen's log-n attention scale (docs/logn.md): logn=True multiplies a query at position p past the
 # trained window L by log(p + 1) / log(L). Read by the attention (RotateInAttention.scale_queries),
@@ -80,21 +94,37 @@ class Method:
     summary: str
     formula: str
     params: dict = field(default_factory=dict)
-    dynamic: bool = False  # what a query sees depends on the length it has seen: keys are cached before rotation
-    needs_attention_interface: bool = False
+    rotation: str = "static"  # ROTATIONS: where queries and keys are rotated
+    follows_length: bool = False  # the frequencies depend on the length a query has seen
     keeps_config_window: bool = False
     factor_required: bool = True
     takes_logn: bool = False
 
+    def __post_init__(self):
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"{self.name}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.follows_length and self.rotation != "attention":
+            # keys cached after rotation would keep the angles of the length they were written at
+            raise ValueError(f"{self.name}: frequencies that follow the length need rotation='attention'")
+
     @property
-    def rescales(self) -> bool:
-        """Whether the frequencies follow the length (so queries past the window fall into one
-        group per scaling under the causal schedule)."""
-        return self.dynamic
+    def dynamic(self) -> bool:
+        """Whether the KV cache keeps keys before rotation (attention rotates them)."""
+        return self.rotation == "attention"
+
+    @property
+    def needs_attention_interface(self) -> bool:
+        """Whether the method runs transforms inside attention (transformers' AttentionInterface)."""
+        return type(self).attention is not Method.attention
+
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        """The SCHEDULE_PARAMS that apply to this method."""
+        return tuple(SCHEDULE_PARAMS) if self.follows_length else ()
 
     @property
     def all_params(self) -> dict:
-        return {**self.params, **(SCHEDULE_PARAMS if self.dynamic else {}), **(LOGN_PARAMS if self.takes_logn else {})}
+        return {**self.params, **{k: SCHEDULE_PARAMS[k] for k in self.schedule}, **(LOGN_PARAMS if self.takes_logn else {})}
 
     def bind(self, params: dict) -> Method:
         return self
@@ -113,7 +143,7 @@ class Method:
                 merged[key] = as_number(merged[key], f"{self.name}: parameter {key}")
                 if not math.isfinite(merged[key]):
                     raise ValueError(f"{self.name}: parameter {key}={merged[key]!r} must be a finite number")
-        if self.dynamic:
+        if self.follows_length:
             check_schedule(self.name, merged)
         if "beta_fast" in merged and not merged["beta_fast"] > merged["beta_slow"] > 0:
             raise ValueError(f"{self.name}: need beta_fast > beta_slow > 0, got {merged['beta_fast']}, {merged['beta_slow']}")
@@ -203,42 +233,3 @@ def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = N
     """theta_i = base^(-2i/D): the frequencies the model was trained with."""
     exponents = torch.arange(0, geom.rotary_dim, 2, dtype=torch.int64).float() / geom.rotary_dim
     return 1.0 / ((geom.base if base is None else base) ** exponents)
-
-
-def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
-    """The model's own frequencies, for methods that change attention rather than the rotation."""
-    return default_inv_freq(geom), 1.0
-
-
-def check_logn(name: str, params: dict) -> None:
-    """For methods that check their own parameters (Method.validate checks every flag)."""
-    if not isinstance(params["logn"], bool):
-        raise ValueError(f"{name}: logn must be True or False, got {params['logn']!r}")
-
-
-def refuse_schedule(name: str, params: dict) -> None:
-    """For attention-side methods whose positions follow from each query's own position: the
-    dynamic schedule's parameters do not apply."""
-    if params["causal"] is not True or params["granularity"] != 1:
-        raise ValueError(
-            f"{name}: causal and granularity do not apply (every query's positions follow from its own "
-            f"position); got causal={params['causal']!r}, granularity={params['granularity']!r}"
-        )
-
-
-def check_switch_schedule(name: str, params: dict, switch: str) -> None:
-    """For attention-side methods whose queries switch to other positions once they have seen more
-    than the trained window (self_extend, rerope): causal chooses when, granularity does not apply."""
-    if not isinstance(params["causal"], bool):
-        raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
-    if params["granularity"] != 1:
-        raise ValueError(
-            f"{name}: granularity does not apply (a query switches to {switch} once it has seen more "
-            f"than the trained window); got {params['granularity']!r}"
-        )
-
-
-def require_backend(name: str, facts: ModelFacts, backends: tuple[str, ...]) -> None:
-    """ValueError unless the model's attention backend is one the method runs on."""
-    if facts.backend not in backends:
-        raise ValueError(f"{name} runs on the {' or '.join(backends)} attention backend, not {facts.backend!r}")

@@ -34,64 +34,22 @@ trained window from original_max_position_embeddings (docs/dca.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, check_logn, refuse_schedule, require_backend, trained_frequencies
+from .attention_side import AttentionMethod
+from .base import ModelFacts
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
 SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax"
 FORMULA = "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c-1) (previous chunk), c-1 (earlier); s = c - local"
-BACKENDS = ("eager", "sdpa")
 CONFIG_KEY = "dual_chunk_attention_config"  # Qwen2.5-1M's config.json
 LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice
-
-
-@dataclass(frozen=True)
-class DualChunkMethod(Method):
-    """dca as a Method: the trained frequencies, chunk_size c and local_size. Dynamic in rope-ext's
-    sense (keys are cached before rotation); the chunked attention is `DualChunkAttention`."""
-
-    @property
-    def rescales(self) -> bool:
-        return False
-
-    def validate(self, factor, params: dict) -> dict:
-        self.check_known(params)
-        merged = {**self.all_params, **params}
-        for key in PARAMS:
-            if merged[key] is not None:
-                merged[key] = as_size(merged[key], f"{NAME}: {key} (or None for the default)")
-        refuse_schedule(NAME, merged)
-        check_logn(NAME, merged)
-        super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
-        return merged
-
-    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
-        require_backend(NAME, facts, BACKENDS)
-        trained = geometry.original_window
-        stated = facts.config.get(CONFIG_KEY) or {}
-        chunk = params["chunk_size"] or stated.get("chunk_size") or trained
-        local = params["local_size"] or stated.get("local_size") or max(1, chunk // LOCAL_FRACTION)
-        if chunk > trained:
-            raise ValueError(f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained")
-        if not 0 < local < chunk:
-            raise ValueError(f"{NAME}: local_size must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
-        return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
-
-    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
-        return [DualChunkAttention(rotary)]
-
-
-METHOD = DualChunkMethod(
-    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
-    # no native form: a plain reload is the unpatched model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True, takes_logn=True,
-)
 
 
 class DualChunkAttention(RotateInAttention):
@@ -104,11 +62,11 @@ class DualChunkAttention(RotateInAttention):
     rotates = True
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query = self.scale_queries(query)
+        query, k_pos = self.received(query, key)
         rotary = self.rotary
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        k_pos, q_pos = self.key_positions(kv_len), frame.q_pos
+        q_pos = frame.q_pos
         first = self.one_sequence(attention_mask, kv_len, q_len, NAME)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
@@ -172,3 +130,26 @@ class DualChunkAttention(RotateInAttention):
             out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
             parts.append((out, lse, None))
         return merge_by_lse(parts)
+
+
+@dataclass(frozen=True)
+class DualChunkMethod(AttentionMethod):
+    """dca as an AttentionMethod: chunk_size c and local_size, from the call, the checkpoint's
+    dual_chunk_attention_config, or their defaults; the attention is `DualChunkAttention`."""
+
+    sizes: ClassVar[dict] = {"chunk_size": 1, "local_size": 1}
+    transform: ClassVar[type] = DualChunkAttention
+
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+        trained = geometry.original_window
+        stated = facts.config.get(CONFIG_KEY) or {}
+        chunk = params["chunk_size"] or stated.get("chunk_size") or trained
+        local = params["local_size"] or stated.get("local_size") or max(1, chunk // LOCAL_FRACTION)
+        if chunk > trained:
+            raise ValueError(f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained")
+        if not 0 < local < chunk:
+            raise ValueError(f"{NAME}: local_size must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
+        return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
+
+
+METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), takes_logn=True)

@@ -39,8 +39,8 @@ ReRoPE attends the same way at any length, so its factor only sets max_length, a
 one. Leaky ReRoPE with a leak and no factor is meant for its capacity (factor = capacity / L);
 with both, the factor must not exceed the capacity; leak="auto" needs a factor.
 
-How it runs: as self_extend, by `GroupedAttention` with the distant positions above in place of
-the grouped ones (`RectifiedAttention`): rows inside the window through the model's own backend,
+How it runs: as self_extend, by the two-part engine (rope_ext.method.attention_side) with the
+distant positions above in place of the grouped ones: rows inside the window through the model's own backend,
 rows past it in attention calls of the model's head size merged by log-sum-exp, a decode step in
 one backend call.
 """
@@ -50,22 +50,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import ClassVar
 
 import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import (
-    MAX_FACTOR, SCHEDULE_PARAMS, Method, ModelFacts, as_number, as_size, check_logn, check_switch_schedule, require_backend,
-    trained_frequencies,
-)
-from .self_extend import GroupedAttention, default_window
+from .attention_side import TwoPartMethod
+from .base import MAX_FACTOR, ModelFacts, as_number
 
 NAME = "rerope"
 PARAMS = {"window": None, "leak": None}
 SUMMARY = "ReRoPE / Leaky ReRoPE: exact distances inside a window, w + (d - w)/k past it (k = infinity: w)"
 FORMULA = "i-j < w: distance i-j; else w + (i-j-w)/k (leak k), or w (ReRoPE, leak None); one softmax"
-BACKENDS = ("eager", "sdpa")  # GroupedAttention's block-wise masks
 AUTO = "auto"  # leak: the smallest integer leak that reaches the factor
 
 
@@ -96,20 +93,15 @@ def choose_leak(window_tokens: int, target: int, window: int) -> int:
 
 
 @dataclass(frozen=True)
-class ReRoPEMethod(Method):
-    """rerope as a Method: the trained frequencies, the window and the leak. Dynamic in rope-ext's
-    sense (keys are cached before rotation); the attention is `RectifiedAttention`."""
+class ReRoPEMethod(TwoPartMethod):
+    """rerope's window and leak, with the rectified positions as the two-part engine's distant
+    positions: keys at j / k and queries at i / k + w - w / k (fp32, fractional), or keys at 0 and
+    queries at w for ReRoPE."""
 
-    @property
-    def rescales(self) -> bool:
-        return False  # the trained frequencies at every length
+    sizes: ClassVar[dict] = {"window": 1}
 
-    def validate(self, factor, params: dict) -> dict:
-        self.check_known(params)
-        merged = {**self.all_params, **params}
-        if merged["window"] is not None:
-            merged["window"] = as_size(merged["window"], f"{NAME}: window (or None for the default)")
-        leak = merged["leak"]
+    def check(self, factor, params: dict) -> dict:
+        leak = params["leak"]
         auto = isinstance(leak, str) and leak == AUTO
         if leak is not None and not auto:
             try:
@@ -119,7 +111,6 @@ class ReRoPEMethod(Method):
             if not (math.isfinite(leak) and 1 < leak <= MAX_FACTOR):
                 raise ValueError(f"{NAME}: leak must be a finite number > 1 and <= {MAX_FACTOR:.0f} "
                                  f"(leak=None is ReRoPE, the limit of a large leak), got {leak!r}")
-            merged["leak"] = leak
         if factor is None and (leak is None or auto):
             raise ValueError(
                 f"{NAME} needs a factor (e.g. factor=4): "
@@ -127,35 +118,22 @@ class ReRoPEMethod(Method):
                    if leak is None else f"leak={AUTO!r} picks the leak that reaches it")
                 + "; or give a leak (e.g. leak=8) and the factor is its capacity"
             )
-        check_switch_schedule(NAME, merged, "rectified distances")
-        check_logn(NAME, merged)
-        if factor is not None:
-            super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
-        return merged
+        return {**params, "leak": leak}
 
-    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
-        changing nothing, when they do not fit the model's window or the model cannot run them."""
-        require_backend(NAME, facts, BACKENDS)
+        changing nothing, when they do not fit the model's window."""
         trained = geometry.original_window
-        window = params["window"] if params["window"] is not None else default_window(trained)
-        if window >= trained:
-            raise ValueError(f"{NAME}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
+        window = self.neighbour_window(params, trained)
         leak = params["leak"]
         if isinstance(leak, str):  # AUTO, the one string validate lets through
             leak = choose_leak(trained, math.ceil(trained * factor), window)
         if leak is not None:
-            reach = capacity(trained, window, leak)
-            if factor is None:
-                factor = reach / trained
-            elif reach < factor * trained * (1 - 1e-12):
-                raise ValueError(
-                    f"{NAME}: leak {leak:g} with window {window} reaches {reach} tokens, less than factor {factor:g} x {trained} "
-                    f"(its largest distance w + (N - 1 - w)/k must stay within {trained - 1}); raise the leak, lower the "
-                    f"window or the factor, or use leak={AUTO!r} or leak=None (ReRoPE)"
-                )
-            if not factor > 1:
-                raise ValueError(f"{NAME}: leak {leak:g} with window {window} does not extend a {trained}-token window")
+            factor = self.reached(
+                factor, capacity(trained, window, leak), trained, f"leak {leak:g} with window {window}",
+                f" (its largest distance w + (N - 1 - w)/k must stay within {trained - 1}); raise the leak, lower the "
+                f"window or the factor, or use leak={AUTO!r} or leak=None (ReRoPE)",
+            )
         return float(factor), {**params, "window": window, "leak": leak}
 
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
@@ -168,30 +146,18 @@ class ReRoPEMethod(Method):
             "target": target, "value": float(value), "limit": trained - 1, "holds": value <= trained - 1,
         }}
 
-    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
-        return [RectifiedAttention(rotary)]
-
-
-METHOD = ReRoPEMethod(
-    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
-    # no native form: a plain reload is the unpatched model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True, factor_required=False, takes_logn=True,
-)
-
-
-class RectifiedAttention(GroupedAttention):
-    """GroupedAttention with ReRoPE's distant positions: keys at j / k and queries at
-    i / k + w - w / k (fp32, fractional), or keys at 0 and queries at w for ReRoPE. The neighbour
-    part, the exact rows inside the window and the split by index distance are GroupedAttention's."""
-
-    def _grouped_query(self, q_pos: torch.Tensor) -> torch.Tensor:
-        window, leak = self.rotary.params["window"], self.rotary.params["leak"]
+    def distant_query(self, q_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        window, leak = params["window"], params["leak"]
         if leak is None:
             return torch.full_like(q_pos, window)
         return q_pos.float() / leak + (window - window / leak)
 
-    def _grouped_key(self, k_pos: torch.Tensor) -> torch.Tensor:
-        leak = self.rotary.params["leak"]
+    def distant_key(self, k_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        leak = params["leak"]
         if leak is None:
             return torch.zeros_like(k_pos)
         return k_pos.float() / leak
+
+
+METHOD = ReRoPEMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True,
+                      switches="rectified distances")

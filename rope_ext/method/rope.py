@@ -209,7 +209,8 @@ METHODS = [
     ),
     RopeMethod(
         "dynamic", dynamic, "dynamic NTK: NTK base grown with the current length L'",
-        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", dynamic=True, takes_logn=True,
+        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", rotation="attention", follows_length=True,
+        takes_logn=True,
         # transformers' `dynamic` reads max_position_embeddings as the original window, so the
         # config keeps it. It is this method with causal=False and logn=False only: transformers
         # has no per-token schedule and no log-n scale, so the others have no native form
@@ -227,8 +228,8 @@ METHODS = [
     RopeMethod(
         "dynamic_yarn", dynamic_yarn, "YaRN with s = max(1, L'/L)",
         # No native form: a plain reload is the unscaled model, so the config keeps its window.
-        "yarn with s recomputed from the current length", params=dict(_YARN_PARAMS), dynamic=True, keeps_config_window=True,
-        takes_logn=True,
+        "yarn with s recomputed from the current length", params=dict(_YARN_PARAMS), rotation="attention",
+        follows_length=True, keeps_config_window=True, takes_logn=True,
     ),
     RopeMethod(
         "ntk_by_parts", ntk_by_parts, "YaRN's frequency ramp without temperature",

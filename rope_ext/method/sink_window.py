@@ -32,70 +32,22 @@ tensor is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from .base import SCHEDULE_PARAMS, Method, ModelFacts, as_size, refuse_schedule, require_backend, trained_frequencies
+from .attention_side import AttentionMethod
+from .base import ModelFacts
 
 NAME = "sink_window"
 PARAMS = {"sinks": 4, "window": None}  # 4 sinks: StreamingLLM's choice; window defaults to L - sinks
 SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
 FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
-BACKENDS = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] mask exact_rows hands them
-
-# The largest attention-score block ([B, heads, rows, keys], fp32) one window call may build.
-SCORE_BYTES = 128 << 20
-
-
-@dataclass(frozen=True)
-class SinkWindowMethod(Method):
-    """sink_window as a Method: the trained frequencies, `sinks` and `window`. Dynamic in
-    rope-ext's sense (keys are cached before rotation); the attention is `SinkWindowAttention`."""
-
-    @property
-    def rescales(self) -> bool:
-        return False
-
-    def validate(self, factor, params: dict) -> dict:
-        self.check_known(params)
-        merged = {**self.all_params, **params}
-        merged["sinks"] = as_size(merged["sinks"], f"{NAME}: sinks", minimum=0)
-        if merged["window"] is not None:
-            merged["window"] = as_size(merged["window"], f"{NAME}: window (or None for the default)")
-        refuse_schedule(NAME, merged)
-        super().validate(factor, {k: v for k, v in params.items() if k in SCHEDULE_PARAMS})
-        return merged
-
-    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
-        require_backend(NAME, facts, BACKENDS)
-        trained, sinks = geometry.original_window, params["sinks"]
-        if sinks >= trained:
-            raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")
-        window = params["window"] or trained - sinks
-        if sinks + window > trained:
-            raise ValueError(
-                f"{NAME}: sinks + window = {sinks + window} exceeds the trained window {trained}: "
-                "distances up to sinks + window - 1 must have been trained"
-            )
-        return factor, {**params, "window": int(window)}
-
-    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
-        return [SinkWindowAttention(rotary)]
-
-    def kv_cache(self, config, params: dict) -> Cache:
-        return SinkWindowCache(config.get_text_config(decoder=True).num_hidden_layers, params["sinks"], params["window"])
-
-
-METHOD = SinkWindowMethod(
-    NAME, trained_frequencies, SUMMARY, FORMULA, params=dict(PARAMS), dynamic=True,
-    # no native form: a plain reload is the unpatched model, so the config keeps its window
-    needs_attention_interface=True, keeps_config_window=True,
-)
 
 
 class SinkWindowLayer(DynamicLayer):
@@ -208,3 +160,30 @@ class SinkWindowAttention(RotateInAttention):
                     parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
                 outputs.append(merge_by_lse(parts).transpose(1, 2))
         return torch.cat(outputs, dim=1), None
+
+
+@dataclass(frozen=True)
+class SinkWindowMethod(AttentionMethod):
+    """sink_window as an AttentionMethod: `sinks` and `window`; the attention is
+    `SinkWindowAttention`, the bounded cache `SinkWindowCache`."""
+
+    sizes: ClassVar[dict] = {"sinks": 0, "window": 1}
+    transform: ClassVar[type] = SinkWindowAttention
+
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+        trained, sinks = geometry.original_window, params["sinks"]
+        if sinks >= trained:
+            raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")
+        window = params["window"] or trained - sinks
+        if sinks + window > trained:
+            raise ValueError(
+                f"{NAME}: sinks + window = {sinks + window} exceeds the trained window {trained}: "
+                "distances up to sinks + window - 1 must have been trained"
+            )
+        return factor, {**params, "window": int(window)}
+
+    def kv_cache(self, config, params: dict) -> Cache:
+        return SinkWindowCache(config.get_text_config(decoder=True).num_hidden_layers, params["sinks"], params["window"])
+
+
+METHOD = SinkWindowMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS))

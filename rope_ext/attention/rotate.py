@@ -1,0 +1,145 @@
+"""The rotation inside attention, for patches whose KV cache holds keys before rotation
+(rope_ext.rotary): queries and keys are rotated here, with the frame the rotary module computed
+for this forward, before the backend sees them."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from rope_ext.rotation import apply_rotary, cos_sin
+
+from .interface import AttentionTransform
+from .parts import causal_mask, hides_keys
+
+class RotateInAttention(AttentionTransform):
+    """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py), the
+    queries scaled first where the patch has `logn` on (`scale_queries`).
+
+    Queries that use different scalings (causal schedule past the window) are attended in groups,
+    each against keys rotated with that group's scaling; causality is by index, as in the model."""
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self._hooks: list = []
+
+    def attach(self, site) -> None:
+        """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
+        The hooks are bound methods, not closures: `copy.deepcopy` of the model then gives hooks
+        that call the copy's rotary module."""
+        self._hooks = [
+            site.decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            site.decoder.register_forward_hook(self._after_forward, with_kwargs=True),
+        ]
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        self.rotary.before_forward(kwargs.get("cache"))
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        self.rotary.after_forward(getattr(output, "cache", None))
+
+    def detach(self, site) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        query = self.scale_queries(query)
+        frame = self.rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        written = frame.k_pos.shape[-1]
+        if written < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
+        first_key = written - kv_len  # sliding-window caches return only the most recent keys
+        lengths = frame.lengths
+        groups = torch.unique(lengths).tolist()
+        if len(groups) == 1:
+            return self._attend(module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len),
+                                (first_key, written), kwargs)
+        offset = kv_len - q_len
+        out = None
+        for length in groups:
+            rows = (lengths == length).any(0).nonzero()
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            end = offset + hi  # keys past the group's last query are masked anyway
+            if attention_mask is not None:
+                mask = attention_mask[:, :, lo:hi, :end]
+            else:
+                mask = causal_mask(offset + lo, hi - lo, end, query.dtype, query.device)
+            part, _ = self._attend(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, frame,
+                                   length, (lo, hi), (first_key, first_key + end), kwargs)
+            if out is None:
+                out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
+            chosen = (lengths[:, lo:hi] == length)[..., None, None]
+            out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
+        return out, None
+
+    def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B, H, Sq, D] with the `logn` parameter on (docs/logn.md): each row at a position p
+        past the trained window L times log(p + 1) / log(L), Qwen's log-n scale, so that attention
+        over more keys than L stays about as sharp as over L; the rest times exactly 1, so the rows
+        inside the window keep their bits. The scale commutes with the rotation: applied first, it
+        reaches every way the query is attended afterwards (in parts, at distances)."""
+        if not self.rotary.params.get("logn"):
+            return query
+        q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
+        past = q_pos + 1 > window
+        if not bool(past.any()):
+            return query
+        scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
+        return query * scale[:, None, :, None].to(query.dtype)
+
+    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies."""
+        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+
+    def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
+        """One query row in one backend call, each key at `distances` [B or 1, kv_len] from it (its
+        position minus the query's, in the position maps of the method). RoPE scores depend on
+        the distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query is rotated at 0 and each key
+        at its distance, so keys that the method places at different query positions still go
+        through one call."""
+        # rotated at 0, not left as is: the rotation carries the attention factor
+        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale)
+        return attend(module, q_zero, self.rotate_to(key, distances, inv_freq, scale), value, attention_mask, **kwargs)
+
+    def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
+        transform that rotates them itself."""
+        return self.scale_queries(query), self.key_positions(key.shape[-2])
+
+    def key_positions(self, kv_len: int) -> torch.Tensor:
+        """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
+        k_pos = self.rotary.frame.k_pos
+        if k_pos.shape[-1] < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
+        return k_pos[..., -kv_len:]
+
+    def one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool = False) -> int:
+        """The position of the first of the kv_len keys, after checking that the positions are
+        those of one unpadded sequence (the same in every row, consecutive; with `from_zero`, every
+        key written since position 0, of which a cache may have let some go). Methods that choose
+        keys by index need it: a mask that hides keys from the newest query (padding, a sliding
+        window) cannot be honoured either."""
+        frame = self.rotary.frame
+        k_pos, q_pos = (frame.k_pos if from_zero else frame.k_pos[..., -kv_len:]), frame.q_pos
+        first = 0 if from_zero else int(k_pos[0, 0])
+        expected = torch.arange(first, first + k_pos.shape[-1], device=k_pos.device)
+        consecutive = bool((k_pos == expected).all()) and bool((q_pos == expected[expected.numel() - q_len :]).all())
+        if hides_keys(attention_mask, kv_len) or not consecutive:
+            start = " from position 0" if from_zero else ""
+            raise ValueError(
+                f"{method}: positions must be those of one unpadded sequence{start} (padded batches and sliding "
+                "windows are not supported); run one sequence at a time"
+            )
+        return first
+
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs):
+        layout = self.rotary.geometry.layout
+        q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
+        k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
+        return attend(module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs)
+

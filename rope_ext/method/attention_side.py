@@ -1,0 +1,276 @@
+"""Attention-side methods: what self_extend, rerope, dca and sink_window share, declared once.
+
+An `AttentionMethod` keeps the trained frequencies and changes the positions at which queries and
+keys meet inside attention. The KV cache keeps keys before rotation (rotation="attention",
+rope_ext.rotary), so one forward, chunked prefill and token-by-token decoding give the same
+numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
+config keeps its trained window. The base owns:
+
+- the validate template: unknown names, the sizes the method declares (`sizes`), the causal switch
+  (`switches`), `logn` (`takes_logn`), the factor; then the method's own rules (`check`);
+- the resolve template: the attention backend (`backends`) is checked before the method derives
+  its parameters from the model (`derive`);
+- the transform installed in attention (`transform`, a RotateInAttention).
+
+Records written before this base listed `causal` and `granularity` for every method that keeps
+keys before rotation; a record that carries them at their defaults still reloads, and any other
+value is refused with the reason.
+
+`TwoPartMethod` is the two-part engine of self_extend and rerope (and any method of that shape):
+keys within the method's `near_window` of a query keep their own positions, the others meet it at
+the method's `distant_query` / `distant_key` positions, both parts in one softmax. A new method of
+that shape is one class with those three maps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
+from rope_ext.attention.rotate import RotateInAttention
+from rope_ext.geometry import RotaryGeometry
+
+from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, check_factor, default_inv_freq
+
+
+def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
+    """The model's own frequencies, for methods that change attention rather than the rotation."""
+    return default_inv_freq(geom), 1.0
+
+
+@dataclass(frozen=True)
+class AttentionMethod(Method):
+    """A method that attends at other positions with the trained frequencies. A subclass sets
+    `transform` (its RotateInAttention) and may declare `sizes` ({parameter: smallest value}: an
+    int, or also None where that is its default), and overrides `check` and `derive` for its own
+    rules."""
+
+    fn: FrequencyFn = field(default=trained_frequencies, kw_only=True)
+    rotation: str = "attention"
+    # What a query switches to once it has seen more than the trained window (e.g. "grouped
+    # attention"), for a method where `causal` chooses when; None: every query's positions follow
+    # from its own position, and the causal schedule does not apply.
+    switches: str | None = None
+
+    backends: ClassVar[tuple[str, ...]] = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] masks the parts build
+    transform: ClassVar[type] = RotateInAttention
+    sizes: ClassVar[dict] = {}
+
+    @property
+    def schedule(self) -> tuple[str, ...]:
+        return ("causal",) if self.switches else ()
+
+    def validate(self, factor, params: dict) -> dict:
+        self.check_known({k: v for k, v in params.items() if k not in SCHEDULE_PARAMS})
+        merged = {**self.all_params, **params}
+        self._drop_fixed_schedule(merged)
+        for key, minimum in self.sizes.items():
+            optional = self.params[key] is None
+            if merged[key] is not None or not optional:
+                merged[key] = as_size(merged[key], f"{self.name}: {key}" + (" (or None for the default)" if optional else ""), minimum)
+        for flag in ("causal", "logn"):
+            if flag in merged and not isinstance(merged[flag], bool):
+                raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
+        merged = self.check(factor, merged)
+        if factor is not None:
+            check_factor(factor)
+        return merged
+
+    def _drop_fixed_schedule(self, params: dict) -> None:
+        """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
+        fixed = {k: params.pop(k) for k in SCHEDULE_PARAMS if k not in self.schedule and k in params}
+        if all(fixed[k] == SCHEDULE_PARAMS[k] and type(fixed[k]) is type(SCHEDULE_PARAMS[k]) for k in fixed):
+            return
+        if self.switches:
+            raise ValueError(
+                f"{self.name}: granularity does not apply (a query switches to {self.switches} once it has seen more "
+                f"than the trained window); got {fixed['granularity']!r}"
+            )
+        shown = {**SCHEDULE_PARAMS, **fixed}
+        raise ValueError(
+            f"{self.name}: causal and granularity do not apply (every query's positions follow from its own "
+            f"position); got causal={shown['causal']!r}, granularity={shown['granularity']!r}"
+        )
+
+    def check(self, factor, params: dict) -> dict:
+        """The method's own rules on `params` (declared sizes already checked); returns them."""
+        return params
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        if facts.backend not in self.backends:
+            raise ValueError(f"{self.name} runs on the {' or '.join(self.backends)} attention backend, not {facts.backend!r}")
+        return self.derive(facts, geometry, factor, params)
+
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        """(factor, params) with what the method derives from the model filled in; ValueError,
+        changing nothing, when they do not fit it."""
+        return factor, params
+
+    def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
+        return [self.transform(rotary)]
+
+
+def default_window(window_tokens: int) -> int:
+    """The neighbour window of the two-part methods: a quarter of the trained window."""
+    return max(1, window_tokens // 4)
+
+
+class TwoPartAttention(RotateInAttention):
+    """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
+    keeps) and attends with the method's neighbour and distant positions in one softmax. Causality
+    is by key index, as in the model: with left padding the real tokens are contiguous, so index
+    distances are position distances."""
+
+    rotates = True
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        query, k_pos = self.received(query, key)
+        rotary = self.rotary
+        frame = rotary.frame
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        trained = rotary.geometry.original_window
+        method, params = rotary.method, rotary.params
+        window = method.near_window(params)
+        inv_freq, scale = frame.angles(trained)  # the trained frequencies
+        extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
+        # One query row (a decode step) attends all its keys in one backend call, each key rotated
+        # by its distance to the query. Several rows would need a rotated copy of every key per
+        # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
+        if q_len == 1 and bool(extended.any()):
+            return self.attend_at_distances(module, query, key, value, attention_mask, attend,
+                                            self._distances(k_pos, extended), inv_freq, scale, kwargs)
+        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
+        k_own = self.rotate_to(key, k_pos, inv_freq, scale)
+        if not bool(extended.any()):
+            return attend(module, q_own, k_own, value, attention_mask, **kwargs)
+
+        offset = kv_len - q_len  # query row r is key index offset + r
+        first = int(extended.any(0).nonzero()[0])
+        q_group = self.rotate_to(query[:, :, first:], method.distant_query(frame.q_pos[:, first:], params), inv_freq, scale)
+        k_group = self.rotate_to(key, method.distant_key(k_pos, params), inv_freq, scale)
+        outputs = []
+        if first:
+            outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
+        scaling = kwargs.get("scaling")
+        # With no mask to honour but the causal one and every row from `first` on past the window
+        # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
+        # rows gets one.
+        if not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window:
+            outputs.append(self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling))
+        else:
+            rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
+            for lo in range(first, q_len, rows):
+                hi = min(lo + rows, q_len)
+                outputs.append(self._masked_rows(
+                    (q_own, k_own), (q_group, k_group), value, attention_mask, extended, offset, first, lo, hi, window, scaling
+                ).transpose(1, 2))
+        return torch.cat(outputs, dim=1), None
+
+    def _distances(self, k_pos: torch.Tensor, extended: torch.Tensor) -> torch.Tensor:
+        """[B, kv_len]: each key's distance from a single query row (attend_at_distances): its own
+        position minus the query's (neighbours, and every key of a row still inside the window),
+        or its grouped position minus the query's grouped one (keys at an index distance of the
+        window or more)."""
+        method, params = self.rotary.method, self.rotary.params
+        window = method.near_window(params)
+        q_pos = self.rotary.frame.q_pos  # [B, 1]
+        kv_len = k_pos.shape[-1]
+        distant = (kv_len - 1 - torch.arange(kv_len, device=k_pos.device)) >= window  # [kv_len], by index
+        grouped = method.distant_key(k_pos, params) - method.distant_query(q_pos, params)
+        return torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
+
+    @staticmethod
+    def _unmasked_rows(q_own, k_own, q_group, k_group, value, first, window, scaling):
+        """Query rows that are key indices first, first + 1, ... (first >= window), all past the
+        trained window and with no mask to honour but the causal one, as [B, rows, H, D], in calls
+        without a mask: the neighbours (rope_ext.attention.window_parts), and the distant keys
+        j <= q - window as the keys every row has, j < first - window, and a causal square after them."""
+        rows = q_own.shape[-2]
+        far = first - window  # the last distant key of row r is far + r
+        distant = []
+        if far:
+            distant.append(attend_with_lse(q_group, k_group[:, :, :far], value[:, :, :far], scale=scaling))
+        ahead = slice(far, far + rows)
+        distant.append(attend_with_lse(q_group, k_group[:, :, ahead], value[:, :, ahead], causal=True, scale=scaling))
+        outputs = [merge_by_lse([(out[:, :, lo:hi], lse[:, :, lo:hi], None) for out, lse in distant] + near)
+                   for lo, hi, near in window_parts(q_own, k_own, value, first, window, scaling)]
+        return torch.cat(outputs, dim=2).transpose(1, 2)
+
+    def _masked_rows(self, own, grouped, value, mask, extended, offset, first, lo, hi, window, scaling):
+        """Query rows [lo, hi) as [B, H, rows, D]: attention to the distant keys they group
+        ([0, far_end), grouped positions) and to the keys they see with their own positions
+        ([near_lo, end)), one call each with a mask of their [rows, keys], merged by log-sum-exp into
+        one softmax. `grouped` holds the queries from row `first` on."""
+        (q_own, k_own), (q_group, k_group) = own, grouped
+        device, dtype = q_own.device, q_own.dtype
+        end = offset + hi
+        q_index = torch.arange(offset + lo, end, device=device)  # [rows], as key indices
+        rows_extended = extended[:, lo:hi]  # [B, rows]
+        far_end = max(0, end - window)  # keys at distance >= window from the block's last query
+        # rows still inside the window see every earlier key with its own position
+        near_lo = 0 if not bool(rows_extended.all()) else max(0, offset + lo - window + 1)
+        far = torch.arange(far_end, device=device)
+        near = torch.arange(near_lo, end, device=device)
+        distance = q_index[:, None] - near[None, :]
+        near_ok = ((distance >= 0)[None] & ((distance < window)[None] | ~rows_extended[:, :, None]))[:, None]
+        near_mask = self._additive(near_ok, None if mask is None else mask[:, :, lo:hi, near_lo:end], dtype)
+        out, lse = attend_with_lse(q_own[:, :, lo:hi], k_own[:, :, near_lo:end], value[:, :, near_lo:end], mask=near_mask, scale=scaling)
+        parts = [(out, lse, (near_mask > torch.finfo(dtype).min).any(-1))]
+        if far_end:
+            far_ok = (rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None])[:, None]
+            far_mask = self._additive(far_ok, None if mask is None else mask[:, :, lo:hi, :far_end], dtype)
+            out, lse = attend_with_lse(q_group[:, :, lo - first : hi - first], k_group[:, :, :far_end], value[:, :, :far_end],
+                                       mask=far_mask, scale=scaling)
+            parts.append((out, lse, (far_mask > torch.finfo(dtype).min).any(-1)))
+        return merge_by_lse(parts)
+
+    @staticmethod
+    def _additive(allowed: torch.Tensor, given: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """An additive mask (what eager and sdpa both take): `given` (the model's mask: boolean, True
+        = attend, or additive) where `allowed`, the dtype's minimum elsewhere."""
+        low = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=allowed.device)
+        if given is None:
+            return torch.zeros((), dtype=dtype, device=allowed.device).where(allowed, low)
+        if given.dtype == torch.bool:
+            return torch.zeros((), dtype=dtype, device=allowed.device).where(allowed & given, low)
+        return given.to(dtype).where(allowed, low)
+
+
+@dataclass(frozen=True)
+class TwoPartMethod(AttentionMethod):
+    """The two-part engine's method: `near_window`, `distant_query` and `distant_key` (positions as
+    int or fp32 tensors; RoPE takes fractional positions as they are)."""
+
+    transform: ClassVar[type] = TwoPartAttention
+
+    def near_window(self, params: dict) -> int:
+        """The index distance from which a key is attended at the distant positions."""
+        return params["window"]
+
+    def distant_query(self, q_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def distant_key(self, k_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reached(self, factor: float | None, reach: int, trained: int, setting: str, remedy: str) -> float:
+        """The factor of a setting that reaches `reach` tokens: its capacity when no factor is given,
+        else `factor` after checking the setting reaches it; ValueError naming `setting` (and
+        `remedy` when it falls short) otherwise."""
+        if factor is None:
+            factor = reach / trained
+        elif reach < factor * trained * (1 - 1e-12):
+            raise ValueError(f"{self.name}: {setting} reaches {reach} tokens, less than factor {factor:g} x {trained}{remedy}")
+        if not factor > 1:
+            raise ValueError(f"{self.name}: {setting} does not extend a {trained}-token window")
+        return factor
+
+    def neighbour_window(self, params: dict, trained: int) -> int:
+        """`window`, or its default, checked against the trained window."""
+        window = params["window"] if params["window"] is not None else default_window(trained)
+        if window >= trained:
+            raise ValueError(f"{self.name}: the neighbour window ({window}) must be smaller than the trained window ({trained})")
+        return window

@@ -1,0 +1,65 @@
+"""The AttentionMethod base (rope_ext.method.attention_side): the parameters each attention-side
+method lists are the ones it takes, and records written when every such method listed the
+causal schedule still reload to the same patch."""
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext import record
+from rope_ext.method import REGISTRY
+from rope_ext.method.attention_side import AttentionMethod, TwoPartMethod
+
+from helpers import random_model
+
+ATTENTION_SIDE = sorted(name for name, method in REGISTRY.items() if isinstance(method, AttentionMethod))
+# the causal schedule's parameters as every method that keeps keys before rotation recorded them
+OLD_SCHEDULE = {"causal": True, "granularity": 1}
+
+
+def test_every_attention_side_method_is_registered_through_the_base():
+    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window"]
+    assert {name for name in ATTENTION_SIDE if isinstance(REGISTRY[name], TwoPartMethod)} == {"rerope", "self_extend"}
+    for name in ATTENTION_SIDE:
+        method = REGISTRY[name]
+        assert method.dynamic and not method.follows_length and method.needs_attention_interface
+
+
+@pytest.mark.parametrize("name, causal", [("self_extend", True), ("rerope", True), ("dca", False), ("sink_window", False)])
+def test_listed_parameters_are_the_ones_a_method_takes(name, causal):
+    listed = rope_ext.methods()[name]["params"]
+    assert "granularity" not in listed
+    assert ("causal" in listed) is causal
+
+
+@pytest.mark.parametrize("name, params", [
+    ("self_extend", {"group": 3, "window": 16, **OLD_SCHEDULE, "logn": False}),
+    ("rerope", {"window": 16, "leak": 4, **OLD_SCHEDULE, "logn": False}),
+    ("dca", {"chunk_size": 48, "local_size": 4, **OLD_SCHEDULE, "logn": False}),
+    ("sink_window", {"sinks": 4, "window": 40, **OLD_SCHEDULE}),
+])
+def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path, name, params):
+    ids = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(0))
+    model = random_model("llama")
+    info = rope_ext.patch(model, name, factor=2.5 if name in ("dca", "sink_window") else None, **params)
+    assert set(info.params) == set(rope_ext.methods()[name]["params"]) - {"factor"}
+    with torch.no_grad():
+        expected = model(ids).logits
+    saved = record.read(model.config)
+    # the record as written before the base: every old key back in its params
+    record.write(model.config, saved.method, saved.factor, {**saved.params, **params}, saved.original)
+    model.save_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path)
+    assert rope_ext.describe(reloaded)["params"] == info.params
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+
+
+@pytest.mark.parametrize("name, params, message", [
+    ("dca", {"causal": False}, "causal and granularity do not apply"),
+    ("sink_window", {"granularity": 4}, "causal and granularity do not apply"),
+    ("self_extend", {"group": 3, "granularity": 2}, "granularity does not apply"),
+])
+def test_an_old_schedule_parameter_away_from_its_default_is_refused(name, params, message):
+    with pytest.raises(ValueError, match=message):
+        rope_ext.patch(random_model("llama"), name, factor=2, **params)
