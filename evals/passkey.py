@@ -1,6 +1,10 @@
 """Passkey retrieval (`rope-ext eval passkey`): the landmark-attention prompt, a grid of prompt
 lengths x key depths with seeded trials, greedy decoding, exact match of the key.
 
+Each result carries, beside accuracy, its 95% Wilson interval per length and overall, and with
+`--baseline` the retained retrieval: accuracy at each length divided by the unpatched model's on
+the same depths, trials and seed at its trained window (evals/retrieval.py).
+
 The prompt (docs/references.md, "Eval protocols"): a task line, filler sentences, the key line at
 the chosen depth of the filler, more filler, and the question; the model must continue "The pass
 key is" with the key. A prompt's length is its token count (special tokens the tokenizer adds
@@ -26,7 +30,7 @@ from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
 
-from . import loading, output
+from . import loading, output, retrieval
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
         "I will quiz you about the important information there.")
@@ -211,17 +215,31 @@ def summarize(records: list[dict]) -> dict:
         "accuracy": accuracy,
         "by_length": {n: sum(v) / len(v) for n, v in sorted(rows.items())},
         "accuracy_overall": sum(r["correct"] for r in records) / len(records) if records else None,
+        "counts": {n: retrieval.counts([r for r in records if r["length"] == n]) for n in sorted(rows)},
+        "counts_overall": retrieval.counts(records) if records else None,
     }
 
 
 def markdown(result: dict, setup: dict) -> str:
     depths = sorted({d for row in result["accuracy"].values() for d in row})
-    rows = [[n] + [result["accuracy"][n].get(d) for d in depths] + [result["by_length"][n]] for n in result["accuracy"]]
+    base = result.get("baseline")
+
+    def summary(n) -> list:
+        c = result["counts"][n]
+        cells = [f"{c['correct']}/{c['total']}", "{:.2f}-{:.2f}".format(*c["interval"])]
+        return cells + ([result["retained"][n]] if base else [])
+
+    rows = [[n] + [result["accuracy"][n].get(d) for d in depths] + [result["by_length"][n]] + summary(n) for n in result["accuracy"]]
     head = (f"# Passkey retrieval: {setup['model']} ({setup['method']}"
             + (f" x{setup['factor']:g}" if setup.get("factor") else "") + ")\n\n"
             f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell, seed {setup['seed']}; "
-            f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy.\n\n")
-    return head + output.markdown_table(["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths"], rows)
+            f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy; "
+            "95% Wilson interval of each length's accuracy.")
+    if base:
+        head += (f" Retained: accuracy / the unpatched model's {base['correct']}/{base['total']} (95% "
+                 + "{:.2f}-{:.2f}".format(*base["interval"]) + f") at its {base['length']}-token window ({base['path']}).")
+    columns = ["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths", "correct", "95% interval"]
+    return head + "\n\n" + output.markdown_table(columns + (["retained"] if base else []), rows)
 
 
 def default_lengths(model, tokenizer) -> list[int]:
@@ -249,8 +267,12 @@ def check(args: argparse.Namespace):
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
+    baseline = None
+    if args.baseline is not None:
+        baseline = retrieval.read_baseline(args.baseline)
+        retrieval.check_baseline(baseline, args.depths, args.trials, args.seed)
     out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
-    return params, out, stopped_run(args, out)
+    return params, out, stopped_run(args, out), baseline
 
 
 def stopped_run(args: argparse.Namespace, out: output.ResultFolder) -> dict | None:
@@ -276,8 +298,12 @@ def same_setup(stopped: dict, setup: dict) -> None:
 
 
 def run(args: argparse.Namespace, plan) -> int:
-    params, out, stopped = plan
+    params, out, stopped, baseline = plan
     model, tokenizer, info = loading.model_from_args(args, params)
+    if baseline is not None:
+        described = loading.patched(model)
+        window = described["geometry"]["original_window"] if described else loading.capacity(model)[0]
+        baseline = retrieval.baseline_summary(baseline, window)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
@@ -300,6 +326,8 @@ def run(args: argparse.Namespace, plan) -> int:
                         args.trials, args.seed, args.limit, progress=not args.no_progress, on_trial=keep,
                         answered=stopped["trials"] if stopped else ())
     setup["seconds"] = round(time.perf_counter() - started, 2)
+    if baseline is not None:
+        result = {**result, "baseline": baseline, "retained": retrieval.retained(result["by_length"], baseline)}
     out.write_json("passkey.json", {"setup": setup, **result, "provenance": record})
     partial.path(PARTIAL).unlink()
     text = markdown(result, setup) + "\n" + output.provenance_line(record)

@@ -114,6 +114,9 @@ def passkey(parser: argparse.ArgumentParser) -> None:
                              "prefill only the rest (a chunked prefill: the same answers, up to rounding; not with sink_window)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the trials in --output's passkey.partial.json (a stopped run with the same setup) and ask only the rest")
+    parser.add_argument("--baseline", default=None, metavar="PATH",
+                        help="passkey.json (or its folder) of the unpatched model at its trained window with the same depths, "
+                             "trials and seed: adds the retained retrieval, accuracy / the baseline's")
     model_arguments(parser)
     output_arguments(parser)
 

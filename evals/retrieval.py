@@ -1,0 +1,85 @@
+"""What a passkey result says beside its accuracy: how sure it is, and how much of the model's own
+retrieval survives the extension.
+
+- The Wilson score interval (Wilson 1927) for k correct of n trials at 95% (z = 1.959964): unlike
+  the normal approximation it stays inside [0, 1] and is not empty at 0/n or n/n, where small
+  passkey grids often are. Two methods whose intervals overlap are not told apart by the grid.
+- Retained retrieval: accuracy at length N under a method divided by the unpatched model's
+  accuracy on the same depths, seed and trials at its trained window (the baseline run), so
+  1.0 means the patch retrieves at N what the model retrieves inside its own window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+Z95 = 1.959964  # the 97.5% quantile of the standard normal
+
+
+def wilson(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of `correct` successes in `total` trials."""
+    if total < 1 or not 0 <= correct <= total:
+        raise ValueError(f"need 0 <= correct <= total and total >= 1, got {correct} of {total}")
+    p = correct / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def counts(records: list[dict]) -> dict:
+    """{"correct", "total", "accuracy", "interval"} of trial records."""
+    correct, total = sum(bool(r["correct"]) for r in records), len(records)
+    return {"correct": correct, "total": total, "accuracy": correct / total, "interval": list(wilson(correct, total))}
+
+
+def read_baseline(path) -> dict:
+    """The results file of a baseline run (passkey.json), checked to be one: ValueError naming the
+    file and what is wrong."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "passkey.json"
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--baseline: {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--baseline: {path} is not valid JSON ({err})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("setup"), dict) or not isinstance(result.get("trials"), list):
+        raise ValueError(f"--baseline: {path} is not a passkey results file (no setup and trials)")
+    if not result["trials"]:
+        raise ValueError(f"--baseline: {path} holds no trial")
+    if result["setup"].get("method") not in (None, "plain"):
+        raise ValueError(f"--baseline: {path} measured {result['setup']['method']!r}; the baseline is the unpatched model")
+    lengths = {r["length"] for r in result["trials"]}
+    if len(lengths) != 1:
+        raise ValueError(f"--baseline: {path} has lengths {sorted(lengths)}; the baseline is one length, the trained window")
+    return {**result, "path": str(path)}
+
+
+def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
+    """ValueError unless the baseline asked the same depths, trials and seed as this run."""
+    setup = baseline["setup"]
+    theirs = sorted({r["depth"] for r in baseline["trials"]})
+    differ = [name for name, a, b in (("depths", theirs, sorted(set(depths))), ("trials", setup.get("trials"), trials),
+                                      ("seed", setup.get("seed"), seed)) if a != b]
+    if differ:
+        raise ValueError(f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
+                         f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}); "
+                         "retained retrieval compares the same prompts' depths and keys' seed")
+
+
+def baseline_summary(baseline: dict, window: int | None) -> dict:
+    """What a result records of its baseline: the file, its length (checked against the model's
+    trained window when known) and its counts."""
+    length = baseline["trials"][0]["length"]
+    if window is not None and length != window:
+        raise ValueError(f"--baseline: {baseline['path']} was measured at {length} tokens, not at the trained window {window}")
+    return {"path": baseline["path"], "length": length, **counts(baseline["trials"])}
+
+
+def retained(by_length: dict, base: dict) -> dict:
+    """{length: accuracy / baseline accuracy}; None where the baseline retrieved nothing."""
+    return {n: (None if base["accuracy"] == 0 else acc / base["accuracy"]) for n, acc in by_length.items()}
