@@ -16,10 +16,10 @@ Records written before this base listed `causal` and `granularity` for every met
 keys before rotation; a record that carries them at their defaults still reloads, and any other
 value is refused with the reason.
 
-`TwoPartMethod` is the two-part engine of self_extend and rerope (and any method of that shape):
-keys within the method's `near_window` of a query keep their own positions, the others meet it at
-the method's `distant_query` / `distant_key` positions, both parts in one softmax. A new method of
-that shape is one class with those three maps.
+`TwoPartMethod` is the two-part engine of self_extend, rerope and string (and any method of that
+shape): for the queries the method `switched`, keys within its `near_window` keep their own
+positions and the others meet the query at the method's `distant_query` / `distant_key` positions,
+both parts in one softmax. A new method of that shape is one class with those maps.
 """
 
 from __future__ import annotations
@@ -76,8 +76,13 @@ class AttentionMethod(Method):
                 raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
         merged = self.check(factor, merged)
         if factor is not None:
-            check_factor(factor)
+            self.accept_factor(factor)
         return merged
+
+    def accept_factor(self, factor) -> float:
+        """`factor` checked as the patch's length over the trained window (> 1 unless the method
+        is also meant for the trained window itself)."""
+        return check_factor(factor)
 
     def _drop_fixed_schedule(self, params: dict) -> None:
         """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
@@ -135,7 +140,7 @@ class TwoPartAttention(RotateInAttention):
         method, params = rotary.method, rotary.params
         window = method.near_window(params)
         inv_freq, scale = frame.angles(trained)  # the trained frequencies
-        extended = frame.lengths > trained  # [B, Sq]: queries past the trained window
+        extended = method.switched(frame, trained, params)  # [B, Sq]: queries that attend in two parts
         # One query row (a decode step) attends all its keys in one backend call, each key rotated
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
@@ -249,6 +254,12 @@ class TwoPartMethod(AttentionMethod):
     def near_window(self, params: dict) -> int:
         """The index distance from which a key is attended at the distant positions."""
         return params["window"]
+
+    def switched(self, frame, trained: int, params: dict) -> torch.Tensor:
+        """[B, Sq]: the queries that attend in two parts, here those past the trained window under
+        the method's schedule (`frame.lengths`, rope_ext.rotary); the others attend as the
+        unpatched model."""
+        return frame.lengths > trained
 
     def distant_query(self, q_pos: torch.Tensor, params: dict) -> torch.Tensor:
         raise NotImplementedError
