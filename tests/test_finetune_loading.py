@@ -67,6 +67,21 @@ PLAIN_LOADS = {
 }
 
 
+def test_the_fine_tune_record_keeps_its_bytes(yarn_run, tiny_path):
+    expected = {
+        "version": 1,
+        "base_model": str(tiny_path),
+        "patch": {
+            "method": "yarn", "factor": 4.0,
+            "params": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None},
+            "original_window": 128,
+        },
+        "max_length": 512,
+        "seq_len": 256,
+    }
+    assert (yarn_run / "rope_ext_finetune.json").read_text() == json.dumps(expected, indent=2) + "\n"
+
+
 @pytest.mark.parametrize("load", PLAIN_LOADS.values(), ids=PLAIN_LOADS.keys())
 def test_plain_loads_give_the_fine_tune_when_transformers_expresses_the_patch(yarn_run, tiny_path, ids, load):
     expected = _logits(load_finetuned(yarn_run, dtype=torch.float32), ids)
