@@ -124,13 +124,7 @@ def check_method(method: str | None, factor: float | None, params: dict | None =
         if params or factor is not None:
             raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
         return
-    known = [PLAIN, *rope_ext.methods()]
-    if method not in known:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(known)}")
-    spec = registry.get(method, params)
-    if factor is None and spec.factor_required:
-        raise ValueError(f"method {method!r} needs --factor (the scale relative to the original window, > 1)")
-    spec.validate(factor, params)
+    registry.check(method, factor, params)
 
 
 def check_model(name: str | None, device: str | None) -> None:

@@ -1,6 +1,6 @@
 """patch / unpatch / describe / reapply: the orchestration. It knows no method and no family:
 
-    method = rope_ext.method.get(name)          parameters validated (ValueError, nothing changed)
+    method = rope_ext.method.check(name, ...)   the spec checked (ValueError, nothing changed)
     adapter, site = the family's adapter        where the rotary lives (rope_ext.patches)
     geometry = adapter.geometry(...)            rotary dim, base, trained window, layout
     factor, params = method.resolve(...)        what the method derives from the model
@@ -66,11 +66,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
     that is not a finite number > 1, or a model rope-ext does not support."""
-    spec = methods.get(method, params)
-    if factor is None and spec.factor_required:
-        raise ValueError(f"method {method!r} needs a factor (> 1), e.g. factor=4")
-    params = spec.validate(factor, params)
-    factor = None if factor is None else float(factor)
+    spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
     adapter, site = _site(model)
