@@ -2,6 +2,8 @@
 
     method = rope_ext.method.check(name, ...)   the spec checked (ValueError, nothing changed)
     adapter, site = the family's adapter        where the rotary lives (rope_ext.patches)
+    saved = record.read(config)                 read here once: the patch a reloaded checkpoint records
+    original = adapter.original_record(saved)   the values from before any patch, the record's if any
     geometry = adapter.geometry(...)            rotary dim, base, trained window, layout
     factor, params = method.resolve(...)        what the method derives from the model
     rotary = adapter.build(...)                 the new rotary module, not yet installed
@@ -67,11 +69,19 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
     that is not a finite number > 1, or a model rope-ext does not support."""
+    return _patch(model, method, factor, params, original_window)
+
+
+def _patch(model: nn.Module, method: str, factor: float | None, params: dict, original_window: int | None,
+           saved: Patch | None = None) -> PatchInfo:
+    """`patch`, given the patch recorded in the model's config where the caller has read it."""
     spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
     adapter, site = _site(model)
-    original, built_from_original = adapter.original_record(site, original_window)
+    if saved is None:
+        saved = record.read(site.config)
+    original, built_from_original = adapter.original_record(site, original_window, saved)
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
     if spec.needs_attention_interface and not facts.attention_interface:
@@ -106,7 +116,7 @@ def reapply(model: nn.Module, path=None) -> PatchInfo | None:
     saved = record.read(model.config, source)
     if saved is None:
         return None
-    info = patch(model, saved.method, saved.factor, **saved.params)
+    info = _patch(model, saved.method, saved.factor, saved.params, None, saved)
     methods.get(saved.method, saved.params).load_state(model, path, info.params)
     return info
 
