@@ -72,7 +72,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
     return _patch(model, method, factor, params, original_window)
 
 
-def _patch(model: nn.Module, method: str, factor: float | None, params: dict, original_window: int | None,
+def _patch(model: nn.Module, method: str, factor: float | None, params: dict, original_window: int | None = None,
            saved: Patch | None = None) -> PatchInfo:
     """`patch`, given the patch recorded in the model's config where the caller has read it."""
     spec, factor, params = methods.check(method, factor, params)
@@ -116,7 +116,7 @@ def reapply(model: nn.Module, path=None) -> PatchInfo | None:
     saved = record.read(model.config, source)
     if saved is None:
         return None
-    info = _patch(model, saved.method, saved.factor, saved.params, None, saved)
+    info = _patch(model, saved.method, saved.factor, saved.params, saved=saved)
     methods.get(saved.method, saved.params).load_state(model, path, info.params)
     return info
 

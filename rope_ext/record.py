@@ -33,11 +33,12 @@ FINETUNE_VERSION = 1
 
 @dataclass(frozen=True)
 class Patch:
-    """One patch. `original` holds the values from before it that its record keeps: in
-    config.rope_ext the family's config values, what unpatch restores and the geometry is read
-    from (`original_window` among them); in a fine-tune record the window alone. `geometry` is
-    the family's reading of them on a model, None for a patch read back from a record until a
-    model is patched with it. `source` names the file a record was read from, for errors."""
+    """One patch. `original` holds the model's values from before it: the family's config values,
+    what unpatch restores and the geometry is read from (`original_window` among them), or the
+    window alone for a patch read from a fine-tune record, which keeps no more. `geometry` is the
+    family's reading of them on a model; None for a patch read from a record, until a model is
+    patched with it. `source` names the file a record was read from, for its errors; it is no
+    part of the patch, so equality leaves it out."""
 
     method: str
     factor: float

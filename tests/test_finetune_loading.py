@@ -15,6 +15,7 @@ from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
 from transformers import AutoModelForCausalLM
 
 import rope_ext
+from rope_ext import record
 from rope_ext.saving import PLAIN_BASE, SEALED_ADAPTER_CONFIG, load_finetuned
 from rope_ext.training.finetune import main
 
@@ -80,6 +81,9 @@ def test_the_fine_tune_record_keeps_its_bytes(yarn_run, tiny_path):
         "seq_len": 256,
     }
     assert (yarn_run / "rope_ext_finetune.json").read_text() == json.dumps(expected, indent=2) + "\n"
+    base_model, saved = record.read_finetune(yarn_run)
+    assert base_model == str(tiny_path) and saved.max_length == 512
+    assert saved == record.Patch("yarn", 4.0, expected["patch"]["params"], {"original_window": 128})
 
 
 @pytest.mark.parametrize("load", PLAIN_LOADS.values(), ids=PLAIN_LOADS.keys())
