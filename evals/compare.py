@@ -59,9 +59,9 @@ def parse_specs(specs: list[str], items: list[str]) -> list[tuple[str, str, dict
 
 
 def original_window(model) -> int:
-    described = loading.patched(model)
-    if described is not None:
-        return described["geometry"]["original_window"]
+    applied = loading.patched(model)
+    if applied is not None:
+        return applied.original_window
     return loading.capacity(model)[0]
 
 

@@ -32,6 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import rope_ext
+from rope_ext import method as registry
 from rope_ext.defaults import resolve_checkpoint
 
 from . import lm_eval_tasks, loading
@@ -50,23 +51,18 @@ def method_parameter_names(method: str) -> set[str]:
     return set(spec["params"]) - {"factor"}
 
 
-def check_model_args(method: str | None, factor) -> float | None:
+def check_model_args(method: str | None, factor, params: dict) -> float | None:
     """The factor as a number, after the checks that need no model; ModelArgsError names the key."""
-    known = [loading.PLAIN, *rope_ext.methods()]
-    if method is not None and method not in known:
-        raise ModelArgsError(f"model_args method={method!r} is not a method; choose from {', '.join(known)}")
     if method in (None, loading.PLAIN):
         if factor is not None:
-            raise ModelArgsError(f"model_args factor={factor!r} needs a method=<{'|'.join(known[1:])}>")
+            raise ModelArgsError(f"model_args factor={factor!r} needs a method=<{'|'.join(rope_ext.methods())}>")
         return None
-    if factor is None:
-        raise ModelArgsError(f"model_args method={method} needs factor=<the scale relative to the original window, > 1>")
-    if not isinstance(factor, bool):
-        try:
-            return float(factor)
-        except (TypeError, ValueError):
-            pass
-    raise ModelArgsError(f"model_args factor={factor!r} is not a number (the scale relative to the original window, > 1)")
+    if isinstance(factor, str):  # model_args given as text from Python; lm-eval's own parser makes numbers
+        factor = loading.parse_value(factor)
+    try:
+        return registry.check(method, factor, params)[1]
+    except ValueError as err:
+        raise ModelArgsError(f"model_args: {err}") from None
 
 
 def unknown_key(err: TypeError, method: str | None) -> ModelArgsError | None:
@@ -90,9 +86,9 @@ class RopeExtLM(HFLM):
                  original_window: int | None = None, max_length: int | None = None, device: str | None = None,
                  **kwargs):
         method = method or None
-        factor = check_model_args(method, factor)
-        names = method_parameter_names(method) if method not in (None, loading.PLAIN) else set()
+        names = method_parameter_names(method) if method in rope_ext.methods() else set()
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        factor = check_model_args(method, factor, params)
         if device is None or (str(device).startswith("cuda") and not _cuda()):
             device = "cpu"  # lm-eval's default is cuda; a CPU-only machine would fail later, not here
         path = resolve_checkpoint(pretrained)

@@ -12,6 +12,8 @@ from rope_ext import method as registry
 from rope_ext.arguments import AUTO, DTYPES, PLAIN
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
+from rope_ext.patching import installed_patch
+from rope_ext.record import Patch
 
 
 
@@ -124,13 +126,7 @@ def check_method(method: str | None, factor: float | None, params: dict | None =
         if params or factor is not None:
             raise ValueError("method 'plain' (the unpatched model) takes no --factor or --param")
         return
-    known = [PLAIN, *rope_ext.methods()]
-    if method not in known:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(known)}")
-    spec = registry.get(method, params)
-    if factor is None and spec.factor_required:
-        raise ValueError(f"method {method!r} needs --factor (the scale relative to the original window, > 1)")
-    spec.validate(factor, params)
+    registry.check(method, factor, params)
 
 
 def check_model(name: str | None, device: str | None) -> None:
@@ -142,10 +138,10 @@ def check_model(name: str | None, device: str | None) -> None:
     resolve_device(device)
 
 
-def patched(model) -> dict | None:
-    """rope_ext.describe(model), or None for an unpatched or unsupported model."""
+def patched(model) -> Patch | None:
+    """The patch on the model, or None for an unpatched or unsupported model."""
     try:
-        return rope_ext.describe(model)
+        return installed_patch(model)
     except ValueError:
         return None
 
@@ -153,10 +149,9 @@ def patched(model) -> dict | None:
 def capacity(model) -> tuple[int, str]:
     """(positions the model is meant for, a phrase saying why): a patch's max_length, else the
     config's max_position_embeddings."""
-    described = patched(model)
-    if described is not None:
-        window = described["geometry"]["original_window"]
-        return described["max_length"], f"{described['method']} x{described['factor']:g} of its {window}-token window"
+    applied = patched(model)
+    if applied is not None:
+        return applied.max_length, f"{applied.method} x{applied.factor:g} of its {applied.original_window}-token window"
     config = model.config
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_length", None)
     if limit is None:
@@ -193,11 +188,11 @@ def describe_setup(model, info, method: str, params: dict, chunk_size: int | Non
     factor = None if info is None else info.factor
     params = params if info is None else dict(info.params)
     if method is None:
-        described = patched(model)
-        method = PLAIN if described is None else described["method"]
-        if described is not None:
-            factor, params = described["factor"], dict(described["params"])
-            patch = {**described, "original_window": described["geometry"]["original_window"], "as_loaded": True}
+        applied = patched(model)
+        method = PLAIN if applied is None else applied.method
+        if applied is not None:
+            factor, params = applied.factor, dict(applied.params)
+            patch = {**applied.described(), "original_window": applied.original_window, "as_loaded": True}
     return {
         "model": model_label(model),
         "method": method,

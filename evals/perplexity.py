@@ -72,9 +72,9 @@ def plan_windows(n_tokens: int, length: int, stride: int, bos: bool) -> list[Win
 def prefix_consistent(model) -> bool:
     """Whether each token's output depends only on the tokens before it, not on the length of
     the forward it is part of (what makes one forward serve several window lengths)."""
-    described = loading.patched(model)
-    if described is not None:
-        return bool(described["params"].get("causal", True))
+    applied = loading.patched(model)
+    if applied is not None:
+        return bool(applied.params.get("causal", True))
     rope = getattr(model.config, "rope_parameters", None) or {}
     return "dynamic" not in str(rope.get("rope_type", ""))
 

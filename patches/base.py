@@ -10,6 +10,7 @@ from torch import nn
 
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
+from rope_ext.record import Patch
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -44,9 +45,11 @@ class FamilyAdapter(ABC):
         """The rope-ext rotary module installed at `site`, or None."""
 
     @abstractmethod
-    def original_record(self, site, original_window: int | None) -> tuple[dict, bool]:
+    def original_record(self, site, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         """The pre-patch values (what unpatch restores, what the geometry is read from) and
-        whether the live rotary module was built from them."""
+        whether the live rotary module was built from them. `saved` is the patch the model's
+        config records (rope_ext.record.read, by the orchestration), or None: a model reloaded
+        from a patched checkpoint takes its values from there."""
 
     @abstractmethod
     def geometry(self, site, record: dict, verify: bool) -> RotaryGeometry:

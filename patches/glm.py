@@ -12,9 +12,9 @@ derived).
 
 from __future__ import annotations
 
-from rope_ext import record as patch_record
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method
+from rope_ext.record import Patch
 from rope_ext.rotary import ExtendedRotaryEmbedding, position_geometry, with_position_ratio
 
 from .llama import LlamaFamily, RotarySite
@@ -32,11 +32,11 @@ class GlmFamily(LlamaFamily):
     model_types = ("glm", "glm4")
     layout = "interleaved"
 
-    def original_record(self, site: RotarySite, original_window: int | None) -> tuple[dict, bool]:
-        fresh = self.installed(site) is None and patch_record.read(site.config) is None
+    def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
+        fresh = self.installed(site) is None and saved is None
         if fresh and original_window is None and checkpoint_position_ratio(site.config.rope_parameters) != 1:
             original_window = site.config.max_position_embeddings
-        return super().original_record(site, original_window)
+        return super().original_record(site, original_window, saved)
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         ratio = checkpoint_position_ratio(record["rope_parameters"])

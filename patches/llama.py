@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rope_ext import record as patch_record
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
+from rope_ext.record import Patch
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
@@ -59,16 +59,16 @@ class LlamaFamily(FamilyAdapter):
     def installed(self, site: RotarySite) -> ExtendedRotaryEmbedding | None:
         return site.rotary if isinstance(site.rotary, ExtendedRotaryEmbedding) else None
 
-    def original_record(self, site: RotarySite, original_window: int | None) -> tuple[dict, bool]:
+    def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         """The pre-patch config values (what unpatch restores, what geometry is read from) and
-        whether the live rotary module was built from them."""
+        whether the live rotary module was built from them; for a model reloaded from a patched
+        checkpoint, those of the patch `saved` its config records."""
         if (current := self.installed(site)) is not None:
             record = copy.deepcopy(current.original)
             if original_window is not None:
                 record["original_window"] = original_window
             return record, False
         config = site.config
-        saved = patch_record.read(config)  # reloaded from a patched checkpoint
         record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else {
             "rope_parameters": copy.deepcopy(config.rope_parameters),
             "max_position_embeddings": config.max_position_embeddings,

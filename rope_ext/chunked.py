@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from . import method as methods
-from .patching import describe, installed_rotary
+from .patching import installed_patch, installed_rotary
 
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
 
@@ -56,12 +56,12 @@ def _check(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
 def _patch(model):
     """(method, params) of the patch on `model`, or None (unpatched, or a family rope-ext does not patch)."""
     try:
-        described = describe(model)
+        applied = installed_patch(model)
     except ValueError:
         return None
-    if described is None:
+    if applied is None:
         return None
-    return methods.get(described["method"], described["params"]), described["params"]
+    return methods.get(applied.method, applied.params), applied.params
 
 
 def new_cache(model):

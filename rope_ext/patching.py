@@ -1,7 +1,9 @@
 """patch / unpatch / describe / reapply: the orchestration. It knows no method and no family:
 
-    method = rope_ext.method.get(name)          parameters validated (ValueError, nothing changed)
+    method = rope_ext.method.check(name, ...)   the spec checked (ValueError, nothing changed)
     adapter, site = the family's adapter        where the rotary lives (rope_ext.patches)
+    saved = record.read(config)                 read here once: the patch a reloaded checkpoint records
+    original = adapter.original_record(saved)   the values from before any patch, the record's if any
     geometry = adapter.geometry(...)            rotary dim, base, trained window, layout
     factor, params = method.resolve(...)        what the method derives from the model
     rotary = adapter.build(...)                 the new rotary module, not yet installed
@@ -16,7 +18,6 @@ records; one carrying linear/dynamic scaling records no window, so `original_win
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -27,12 +28,14 @@ from . import method as methods
 from .method.base import as_size
 from . import record
 from .patches import find_adapter
+from .record import Patch
 
 
 @dataclass(frozen=True)
 class PatchInfo:
-    """What `patch` did. `max_length` is the length the patched model is meant for
-    (original_window * factor); `native` is the transformers `rope_parameters` written to the
+    """What `patch` did: the `Patch` (rope_ext.record) with its geometry spelled out, and what the
+    patch found on the model and wrote to it. `max_length` is the length the patched model is meant
+    for (original_window * factor); `native` is the transformers `rope_parameters` written to the
     config (None when transformers has no equivalent and only rope_ext can reload it); `notes` is
     what the method states about the parameters it resolved, as data (e.g. whether they follow a
     rule its authors give, at max_length); {} when it states nothing."""
@@ -66,15 +69,19 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
     that is not a finite number > 1, or a model rope-ext does not support."""
-    spec = methods.get(method, params)
-    if factor is None and spec.factor_required:
-        raise ValueError(f"method {method!r} needs a factor (> 1), e.g. factor=4")
-    params = spec.validate(factor, params)
-    factor = None if factor is None else float(factor)
+    return _patch(model, method, factor, params, original_window)
+
+
+def _patch(model: nn.Module, method: str, factor: float | None, params: dict, original_window: int | None = None,
+           saved: Patch | None = None) -> PatchInfo:
+    """`patch`, given the patch recorded in the model's config where the caller has read it."""
+    spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
     adapter, site = _site(model)
-    original, built_from_original = adapter.original_record(site, original_window)
+    if saved is None:
+        saved = record.read(site.config)
+    original, built_from_original = adapter.original_record(site, original_window, saved)
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
     if spec.needs_attention_interface and not facts.attention_interface:
@@ -83,20 +90,20 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
             f"(transformers-native families); the {adapter.name!r} family does not"
         )
     factor, params = spec.resolve(facts, geometry, factor, params)
-    max_length = math.ceil(geometry.original_window * factor)
+    applied = Patch(method, factor, params, original, geometry)
     rotary = adapter.build(site, spec, factor, params, geometry, original)
     transforms = spec.attention(rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
 
     # Everything that can fail has run; from here on the model changes.
-    native = adapter.install(site, rotary, transforms, max_length)
+    native = adapter.install(site, rotary, transforms, applied.max_length)
     config = site.config
-    record.write(config, method, factor, params, original)
-    PatchedModel(site.model, method, max_length, native is not None).install()
+    record.write(config, applied)
+    PatchedModel(site.model, method, applied.max_length, native is not None).install()
     return PatchInfo(
-        method=method, factor=factor, params=params, family=adapter.name, model_type=config.model_type,
-        original_window=geometry.original_window, max_length=max_length, rotary_dim=geometry.rotary_dim,
-        head_dim=geometry.head_dim, base=geometry.base, layout=geometry.layout,
+        method=applied.method, factor=applied.factor, params=applied.params, family=adapter.name,
+        model_type=config.model_type, original_window=applied.original_window, max_length=applied.max_length,
+        rotary_dim=geometry.rotary_dim, head_dim=geometry.head_dim, base=geometry.base, layout=geometry.layout,
         attention_factor=None if spec.dynamic else rotary.attention_scaling, native=native, notes=notes,
     )
 
@@ -109,7 +116,7 @@ def reapply(model: nn.Module, path=None) -> PatchInfo | None:
     saved = record.read(model.config, source)
     if saved is None:
         return None
-    info = patch(model, saved.method, saved.factor, **saved.params)
+    info = _patch(model, saved.method, saved.factor, saved.params, saved=saved)
     methods.get(saved.method, saved.params).load_state(model, path, info.params)
     return info
 
@@ -181,16 +188,18 @@ def installed_rotary(model: nn.Module):
     return adapter.installed(site)
 
 
-def describe(model: nn.Module) -> dict | None:
-    """The patch on this model (method, factor, params, original geometry), or None."""
+def installed_patch(model: nn.Module) -> Patch | None:
+    """The patch on this model, or None."""
     rotary = installed_rotary(model)
     if rotary is None:
         return None
-    return {
-        "method": rotary.method.name, "factor": rotary.factor, "params": dict(rotary.params),
-        "geometry": rotary.geometry.to_dict(),
-        "max_length": math.ceil(rotary.geometry.original_window * rotary.factor),
-    }
+    return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry)
+
+
+def describe(model: nn.Module) -> dict | None:
+    """The patch on this model (method, factor, params, original geometry), or None."""
+    applied = installed_patch(model)
+    return None if applied is None else applied.described()
 
 
 def listing() -> dict[str, dict]:

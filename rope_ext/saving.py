@@ -27,7 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from . import record
 from .defaults import resolve_checkpoint
-from .patching import describe, patch, reapply
+from .patching import installed_patch, patch, reapply
+from .record import Patch
 
 ADAPTER_CONFIG = "adapter_config.json"  # the name peft and transformers look for
 SEALED_ADAPTER_CONFIG = "rope_ext_adapter_config.json"  # the same file, out of their sight
@@ -62,26 +63,25 @@ def save_record(out_dir, base_model: str, model: nn.Module, extra: dict | None =
     `base_model` is what `resolve_checkpoint` turns back into a loadable checkpoint: "smollm2"
     (recorded by name, not by its cache path, so the folder stays valid on another machine), an
     absolute local path, or a hub id."""
-    described = describe(model)
-    if described is None:
+    applied = installed_patch(model)
+    if applied is None:
         raise ValueError("the model is not patched by rope_ext; nothing to record")
-    path = record.write_finetune(out_dir, base_model, described, extra)
+    path = record.write_finetune(out_dir, base_model, applied, extra)
     base = _local_folder(base_model)
-    config = plain_config(model.config, base)
+    config = plain_config(model.config, applied, base)
     if config is None:
-        _seal(Path(out_dir), described["method"])
+        _seal(Path(out_dir), applied.method)
     else:
         _write_plain_base(Path(out_dir), base, config)
     return path
 
 
-def plain_config(patched, base: Path):
-    """The base's config with the values the patch wrote to `patched` (the patched model's
-    config): what transformers alone loads as the patched model. None when the patch left them
-    as they were, having no native form (rope_ext.patching.PatchInfo.native)."""
-    original = record.read(patched).original
-    owned = [key for key in original if hasattr(patched, key)]
-    if all(getattr(patched, key) == original[key] for key in owned):
+def plain_config(patched, applied: Patch, base: Path):
+    """The base's config with the values the patch `applied` wrote to `patched` (the patched
+    model's config): what transformers alone loads as the patched model. None when the patch left
+    them as they were, having no native form (rope_ext.patching.PatchInfo.native)."""
+    owned = [key for key in applied.original if hasattr(patched, key)]
+    if all(getattr(patched, key) == applied.original[key] for key in owned):
         return None
     config = AutoConfig.from_pretrained(base)
     for key in (*owned, record.CONFIG_KEY):
@@ -140,10 +140,9 @@ def load_finetuned(path, merge: bool = False, **hf_kwargs) -> nn.Module:
     Keyword arguments go to `AutoModelForCausalLM.from_pretrained` for the base model."""
     from peft import PeftModel  # peft loads only for fine-tune folders
 
-    saved = record.read_finetune(path)
-    model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(saved["base_model"]), **hf_kwargs)
-    spec = saved["patch"]
-    patch(model, spec["method"], spec["factor"], original_window=spec["original_window"], **spec["params"])
+    base_model, saved = record.read_finetune(path)
+    model = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(base_model), **hf_kwargs)
+    patch(model, saved.method, saved.factor, original_window=saved.original_window, **saved.params)
     model = PeftModel.from_pretrained(model, str(path), config=_adapter_config(Path(path)))
     if merge:
         model = model.merge_and_unload()

@@ -25,7 +25,7 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
     assert lm.max_length == 256
     described = rope_ext.describe(lm.model)
     assert described["method"] == "yarn" and described["params"]["beta_fast"] == 16
-    with pytest.raises(ValueError, match="needs factor="):
+    with pytest.raises(ValueError, match="needs a factor"):
         RopeExtLM(pretrained=str(tiny_path), method="ntk")
 
 

@@ -15,6 +15,7 @@ from peft import AutoPeftModelForCausalLM, PeftConfig, PeftModel
 from transformers import AutoModelForCausalLM
 
 import rope_ext
+from rope_ext import record
 from rope_ext.saving import PLAIN_BASE, SEALED_ADAPTER_CONFIG, load_finetuned
 from rope_ext.training.finetune import main
 
@@ -65,6 +66,24 @@ PLAIN_LOADS = {
     "transformers AutoModelForCausalLM": lambda out: AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32),
     "PeftModel on the named base": _peft_documented_load,
 }
+
+
+def test_the_fine_tune_record_keeps_its_bytes(yarn_run, tiny_path):
+    expected = {
+        "version": 1,
+        "base_model": str(tiny_path),
+        "patch": {
+            "method": "yarn", "factor": 4.0,
+            "params": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None},
+            "original_window": 128,
+        },
+        "max_length": 512,
+        "seq_len": 256,
+    }
+    assert (yarn_run / "rope_ext_finetune.json").read_text() == json.dumps(expected, indent=2) + "\n"
+    base_model, saved = record.read_finetune(yarn_run)
+    assert base_model == str(tiny_path) and saved.max_length == 512
+    assert saved == record.Patch("yarn", 4.0, expected["patch"]["params"], {"original_window": 128})
 
 
 @pytest.mark.parametrize("load", PLAIN_LOADS.values(), ids=PLAIN_LOADS.keys())

@@ -1,6 +1,7 @@
 """patch / unpatch / reload on random-weight LLaMA-family models: plumbing and exactness."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -125,6 +126,40 @@ def test_rope_ext_from_pretrained_restores_every_method(tmp_path, method, params
     assert rope_ext.describe(reloaded) == rope_ext.describe(model)
     rope_ext.unpatch(reloaded)
     assert torch.equal(logits(reloaded, x), logits(random_model(), x))
+
+
+# The patch in each of its shapes, as JSON: result files and records keep these bytes.
+YARN_PARAMS = {"beta_fast": 16, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
+YARN_RECORD = {
+    "version": 1, "method": "yarn", "factor": 4.0, "params": YARN_PARAMS,
+    "original": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": WINDOW,
+                 "original_window": WINDOW},
+}
+YARN_DESCRIBED = {
+    "method": "yarn", "factor": 4.0, "params": YARN_PARAMS,
+    "geometry": {"rotary_dim": 16, "base": 10000.0, "original_window": WINDOW, "layout": "half", "head_dim": 16},
+    "max_length": 4 * WINDOW,
+}
+YARN_INFO = {
+    "method": "yarn", "factor": 4.0, "params": YARN_PARAMS, "family": "llama", "model_type": "llama",
+    "original_window": WINDOW, "max_length": 4 * WINDOW, "rotary_dim": 16, "head_dim": 16, "base": 10000.0,
+    "layout": "half", "attention_factor": 1.138629436111989,
+    "native": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": WINDOW,
+               "beta_fast": 16, "beta_slow": 1.0, "truncate": True},
+    "notes": {},
+}
+
+
+def test_the_patch_reads_the_same_in_config_json_describe_and_patch_info(tmp_path):
+    model = random_model()
+    info = rope_ext.patch(model, "yarn", factor=4, beta_fast=16)
+    model.save_pretrained(tmp_path)
+    # compared as JSON text, so that the order of the keys counts too (config.json sorts them)
+    assert json.dumps(model.config.rope_ext) == json.dumps(YARN_RECORD)
+    assert json.loads((tmp_path / "config.json").read_text())["rope_ext"] == YARN_RECORD
+    assert json.dumps(rope_ext.describe(model)) == json.dumps(YARN_DESCRIBED)
+    assert json.dumps(info.to_dict()) == json.dumps(YARN_INFO)
+    assert json.dumps(rope_ext.describe(rope_ext.from_pretrained(tmp_path))) == json.dumps(YARN_DESCRIBED)
 
 
 def test_patch_through_peft_wrapper():

@@ -9,9 +9,9 @@ from rope_ext.evals.lm_eval_model import RopeExtLM, main
 
 
 @pytest.mark.parametrize("model_args, message", [
-    ("method=nope,factor=2", "model_args method='nope' is not a method; choose from plain, linear"),
-    ("method=yarn", "model_args method=yarn needs factor=<"),
-    ("method=yarn,factor=abc", "model_args factor='abc' is not a number"),
+    ("method=nope,factor=2", "model_args: unknown method 'nope'; valid methods: linear"),
+    ("method=yarn", "model_args: method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
+    ("method=yarn,factor=abc", "model_args: factor must be a finite number > 1 and <= 1048576, got 'abc'"),
     ("factor=2", "model_args factor=2 needs a method=<"),
     ("method=yarn,factor=2,beta_fst=16", "model_args key 'beta_fst' is not an argument of the rope_ext model type "
                                          "(method, factor, original_window, max_length, and yarn's "),

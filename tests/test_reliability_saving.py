@@ -109,3 +109,17 @@ def test_the_lm_eval_model_reads_the_record_through_the_same_checks(tmp_path, ti
     folder = _saved_with_record(tmp_path, lambda r: r.update(version=2))
     with pytest.raises(ValueError, match="rope_ext config format 2 is not supported"):
         RopeExtLM(pretrained=str(folder), tokenizer=str(tiny_path))
+
+
+@pytest.mark.parametrize("load", [lambda folder: rope_ext.from_pretrained(folder),
+                                  lambda folder: rope_ext.patch(AutoModelForCausalLM.from_pretrained(folder), "ntk", 4)],
+                         ids=["from_pretrained", "patch of a plain reload"])
+def test_the_record_is_read_once_and_handed_to_the_family(tmp_path, monkeypatch, load):
+    from rope_ext import record
+
+    folder = _saved_with_record(tmp_path, lambda r: None)
+    reads = []
+    read = record.read
+    monkeypatch.setattr(record, "read", lambda *args: reads.append(args) or read(*args))
+    load(folder)
+    assert len(reads) == 1

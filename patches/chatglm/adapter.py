@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rope_ext import record as patch_record
 from rope_ext.attention import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
+from rope_ext.record import Patch
 from rope_ext.rotary import DynamicRotation, with_position_ratio
 from rope_ext.rotation import RotationFrame, cos_sin
 
@@ -350,16 +350,16 @@ class ChatGLMFamily(FamilyAdapter):
     def installed(self, site: ChatGLMSite) -> ChatGLMRotaryEmbedding | None:
         return site.rotary if isinstance(site.rotary, ChatGLMRotaryEmbedding) else None
 
-    def original_record(self, site: ChatGLMSite, original_window: int | None) -> tuple[dict, bool]:
+    def original_record(self, site: ChatGLMSite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         """The checkpoint's rotary convention, read from the live module (or kept by the current
-        patch), and its window: seq_length unless `original_window` says otherwise."""
+        patch), and its window: seq_length unless `original_window` says otherwise, or for a model
+        reloaded from a patched checkpoint the window of the patch `saved` its config records."""
         if (current := self.installed(site)) is not None:
             record = copy.deepcopy(current.original)
         else:
             config = site.config
             record = read_convention(site.rotary, config, config.kv_channels)
             record["seq_length"] = config.seq_length
-            saved = patch_record.read(config)  # reloaded from a patched checkpoint
             record["original_window"] = saved.original_window if saved else config.seq_length
         if original_window is not None:
             record["original_window"] = original_window

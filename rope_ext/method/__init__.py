@@ -19,3 +19,16 @@ def get(name: str, params: dict | None = None) -> Method:
     except (KeyError, TypeError):
         raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(REGISTRY)}") from None
     return method.bind(params or {})
+
+
+def check(name: str, factor, params: dict | None = None) -> tuple[Method, float | None, dict]:
+    """A method spec checked as every entry point takes one (rope_ext.patch, the eval commands, the
+    lm-eval model type, the fine-tune config): (the method bound to `params`, the factor as a float
+    or None, the parameters with their defaults filled in). ValueError, one message per fault, on
+    an unknown method, a factor missing where the method needs one, a bad factor or parameter."""
+    params = params or {}
+    method = get(name, params)
+    if factor is None and method.factor_required:
+        raise ValueError(f"method {name!r} needs a factor (the scale relative to the original window, > 1)")
+    params = method.validate(factor, params)
+    return method, None if factor is None else float(factor), params

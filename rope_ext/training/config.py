@@ -230,10 +230,11 @@ def _number(cfg: dict, key: str, minimum: float = 0.0) -> None:
 
 def check_config(cfg: dict) -> None:
     """Checks that need no model and no data."""
-    known = rope_ext.methods()
     method = cfg["patch"]["method"]
-    if method not in known:
-        raise ConfigError(f"unknown method {method!r}; valid methods: {', '.join(known)}")
+    try:
+        spec, _, _ = rope_ext.method.check(method, cfg["patch"]["factor"], cfg["patch"]["params"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for key in ("training.max_steps", "training.batch_size", "training.grad_accum", "lora.r", "eval.max_tokens", "data.num_proc"):
         _positive_int(cfg, key)
     for key in ("training.warmup_steps", "training.s2_groups", "eval.every", "output.save_every", "output.keep"):
@@ -253,10 +254,10 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(f"output.log_with must be a list of tracker names, e.g. [tensorboard], got {trackers!r}")
     if not 0 <= cfg["lora"]["dropout"] < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
-    if cfg["training"]["s2_groups"] and known[method]["dynamic"]:
+    if cfg["training"]["s2_groups"] and rope_ext.method.REGISTRY[method].dynamic:
         raise ConfigError(f"shifted sparse attention (training.s2_groups) cannot be combined with the dynamic method {method!r}")
     if cfg["training"]["pose"]:
-        check_pose_method(cfg)
+        check_pose_method(method, spec)
         if cfg["training"]["s2_groups"]:
             raise ConfigError("training.pose cannot be combined with training.s2_groups: PoSE trains at the original window "
                               "with full attention, shifted sparse attention at the extended one; use one of them")
@@ -284,12 +285,7 @@ def pose_refusal(spec) -> str | None:
     return None
 
 
-def check_pose_method(cfg: dict) -> None:
-    name = cfg["patch"]["method"]
-    try:
-        spec = rope_ext.method.get(name, cfg["patch"]["params"])
-    except ValueError as err:
-        raise ConfigError(f"rope_ext.patch: {err}") from None
+def check_pose_method(name: str, spec) -> None:
     reason = pose_refusal(spec)
     if reason:
         static = ", ".join(n for n, m in rope_ext.method.REGISTRY.items() if pose_refusal(m) is None)

@@ -1,0 +1,102 @@
+"""`rope_ext.method.check`: the one check of a method spec. The four entry points that take a spec
+(rope_ext.patch, the eval commands, the lm-eval model type, the fine-tune config) refuse each fault
+through it, in its words, before anything loads."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from helpers import random_model
+from lm_eval.models.huggingface import HFLM
+from test_reliability_inputs import no_model, refused  # noqa: F401 (no_model is a fixture)
+
+import rope_ext
+from rope_ext import method as methods
+from rope_ext.evals.lm_eval_model import ModelArgsError, RopeExtLM
+from rope_ext.training.config import ConfigError, parse_args
+
+# (method, factor, params, the message of the fault)
+FAULTS = [
+    ("rope2", 4.0, {}, "unknown method 'rope2'; valid methods: linear, ntk, dynamic"),
+    ("yarn", None, {}, "method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
+    ("yarn", 1.0, {}, "factor must be a finite number > 1 and <= 1048576, got 1.0"),
+    ("yarn", 4.0, {"beta_fast": "x"}, "yarn: parameter beta_fast must be a number, got 'x'"),
+]
+IDS = ["unknown method", "no factor", "bad factor", "bad parameter"]
+
+
+def message_of(name, factor, params) -> str:
+    with pytest.raises(ValueError) as raised:
+        methods.check(name, factor, params)
+    return str(raised.value)
+
+
+def test_check_gives_the_bound_method_the_factor_and_the_params():
+    method, factor, params = methods.check("yarn", 4, {"beta_fast": 16})
+    assert method is methods.REGISTRY["yarn"]
+    assert factor == 4.0 and isinstance(factor, float)
+    assert params == {"beta_fast": 16, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
+    assert methods.check("alibi_hybrid", 4, {"rope": "yarn"})[0].rope is methods.REGISTRY["yarn"]
+
+
+def test_check_takes_no_factor_where_the_method_needs_none():
+    assert not methods.REGISTRY["self_extend"].factor_required and not methods.REGISTRY["rerope"].factor_required
+    assert methods.check("self_extend", None, {"group": 4})[1] is None
+    assert methods.check("rerope", None, {"leak": 8})[1] is None
+
+
+@pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)
+def test_check_refuses_each_fault_with_one_message(name, factor, params, message):
+    assert message_of(name, factor, params).startswith(message)
+
+
+@pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)
+def test_the_api_refuses_through_check(name, factor, params, message):
+    model = random_model()
+    with pytest.raises(ValueError, match=f"^{re.escape(message_of(name, factor, params))}$"):
+        rope_ext.patch(model, name, factor, **params)
+    assert rope_ext.describe(model) is None
+
+
+@pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)
+def test_the_eval_commands_refuse_through_check_before_the_model_loads(no_model, tmp_path, capsys, name, factor, params, message):
+    argv = ["eval", "ppl", "--lengths", "64", "--method", name, "--output", str(tmp_path / "p")]
+    argv += [] if factor is None else ["--factor", str(factor)]
+    argv += [arg for key, value in params.items() for arg in ("--param", f"{key}={value}")]
+    assert refused(argv, capsys) == f"rope-ext eval ppl: error: {message_of(name, factor, params)}"
+
+
+@pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)
+def test_the_lm_eval_model_refuses_through_check_before_the_model_loads(monkeypatch, name, factor, params, message):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the model_args were checked")
+
+    monkeypatch.setattr(HFLM, "__init__", refuse)
+    with pytest.raises(ModelArgsError) as raised:
+        RopeExtLM(pretrained="smollm2", method=name, factor=factor, **params)
+    assert str(raised.value) == f"model_args: {message_of(name, factor, params)}"
+
+
+@pytest.mark.parametrize("method, params", [("self_extend", {"group": 4}), ("rerope", {"leak": 8})])
+def test_the_lm_eval_model_takes_no_factor_where_the_method_needs_none(tiny_path, method, params):
+    lm = RopeExtLM(pretrained=str(tiny_path), method=method, **params)
+    described = rope_ext.describe(lm.model)
+    assert described["method"] == method and lm.max_length == described["max_length"] == lm.patch_info.max_length
+
+
+@pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)
+def test_the_fine_tune_config_refuses_through_check(tmp_path, name, factor, params, message):
+    config = tmp_path / "finetune.yaml"
+    config.write_text(yaml.safe_dump({"patch": {"method": name, "factor": factor, "params": params}}))
+    with pytest.raises(ConfigError) as raised:
+        parse_args(["--config", str(config)])
+    assert str(raised.value) == message_of(name, factor, params)
+
+
+def test_the_fine_tune_config_takes_no_factor_where_the_method_needs_none(tmp_path):
+    config = tmp_path / "finetune.yaml"
+    config.write_text(yaml.safe_dump({"patch": {"method": "self_extend", "factor": None, "params": {"group": 4}}}))
+    cfg, _ = parse_args(["--config", str(config)])
+    assert cfg["patch"] == {"method": "self_extend", "factor": None, "params": {"group": 4}}
