@@ -301,8 +301,8 @@ def run(args: argparse.Namespace, plan) -> int:
     params, out, stopped, baseline = plan
     model, tokenizer, info = loading.model_from_args(args, params)
     if baseline is not None:
-        described = loading.patched(model)
-        window = described["geometry"]["original_window"] if described else loading.capacity(model)[0]
+        patch = loading.patched(model)
+        window = patch.original_window if patch else loading.capacity(model)[0]
         baseline = retrieval.baseline_summary(baseline, window)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):

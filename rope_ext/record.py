@@ -105,8 +105,10 @@ def read(config, source: str | None = None) -> Patch | None:
     if method not in REGISTRY:
         raise ValueError(f"{source}: key {CONFIG_KEY}.method names unknown method {method!r}; valid methods: {', '.join(REGISTRY)}")
     factor = _field(saved, "factor", (int, float), source)
-    if not math.isfinite(factor) or factor <= 1:
-        raise ValueError(f"{source}: key {CONFIG_KEY}.factor must be a finite number > 1, got {factor!r}")
+    try:
+        factor = REGISTRY[method].accept_factor(factor)  # > 1, or 1 for a method meant for the trained window too
+    except ValueError:
+        raise ValueError(f"{source}: key {CONFIG_KEY}.factor must be a finite number > 1, got {factor!r}") from None
     original = _field(saved, "original", dict, source)
     patch = Patch(method, float(factor), dict(_field(saved, "params", dict, source)), original, source=source)
     window = patch.original_window

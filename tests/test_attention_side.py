@@ -2,6 +2,8 @@
 method lists are the ones it takes, and records written when every such method listed the
 causal schedule still reload to the same patch."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,7 +50,7 @@ def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path,
         expected = model(ids).logits
     saved = record.read(model.config)
     # the record as written before the base: every old key back in its params
-    record.write(model.config, saved.method, saved.factor, {**saved.params, **params}, saved.original)
+    record.write(model.config, dataclasses.replace(saved, params={**saved.params, **params}))
     model.save_pretrained(tmp_path)
     reloaded = rope_ext.from_pretrained(tmp_path)
     assert rope_ext.describe(reloaded)["params"] == info.params

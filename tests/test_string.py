@@ -161,3 +161,13 @@ def test_the_default_shift_is_a_third_of_the_length():
     model = random_model("llama")
     info = rope_ext.patch(model, "string", factor=3, local=8)
     assert info.params["shift"] == math.floor(0.33 * 3 * WINDOW) and info.max_length == 3 * WINDOW
+
+
+def test_a_patch_for_the_trained_window_reloads(tmp_path):
+    model = random_model("llama")
+    info = rope_ext.patch(model, "string", local=8)
+    assert info.factor == 1.0
+    with pytest.warns(UserWarning, match="loads the unpatched model"):
+        model.save_pretrained(tmp_path)
+    assert rope_ext.describe(rope_ext.from_pretrained(tmp_path))["params"] == info.params
+    assert_refused_unchanged("yarn", {"factor": 1}, r"factor must be a finite number > 1")

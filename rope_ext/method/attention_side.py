@@ -33,7 +33,7 @@ from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, h
 from rope_ext.attention.rotate import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, check_factor, default_inv_freq
+from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, default_inv_freq
 
 
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
@@ -79,10 +79,6 @@ class AttentionMethod(Method):
             self.accept_factor(factor)
         return merged
 
-    def accept_factor(self, factor) -> float:
-        """`factor` checked as the patch's length over the trained window (> 1 unless the method
-        is also meant for the trained window itself)."""
-        return check_factor(factor)
 
     def _drop_fixed_schedule(self, params: dict) -> None:
         """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""

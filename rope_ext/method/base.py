@@ -132,7 +132,7 @@ class Method:
     def validate(self, factor, params: dict) -> dict:
         """Checked parameters with defaults filled in, numbers as Python ints and floats; raises
         ValueError on anything wrong."""
-        check_factor(factor)
+        self.accept_factor(factor)
         self.check_known(params)
         merged = {**self.all_params, **params}
         for key, default in self.all_params.items():
@@ -153,6 +153,11 @@ class Method:
             raise ValueError(f"{self.name}: attention_factor must be in (0, {MAX_ATTENTION_FACTOR:g}], "
                              f"got {merged['attention_factor']!r}")
         return merged
+
+    def accept_factor(self, factor) -> float:
+        """`factor` as a float: the length the patch is meant for over the trained window, > 1
+        (a method also meant for the trained window itself accepts 1)."""
+        return check_factor(factor)
 
     def check_known(self, params: dict, context: str = "") -> None:
         unknown = sorted(set(params) - set(self.all_params))
