@@ -57,15 +57,6 @@ def test_backend_change_keeps_the_patch_and_unpatch_restores_the_choice(tiny_mod
     assert "set_attn_implementation" not in tiny_model.__dict__
 
 
-def test_backend_the_method_cannot_run_on_is_refused_and_nothing_changes(tiny_model, text):
-    rope_ext.patch(tiny_model, "self_extend", factor=4)
-    before = logits(tiny_model, text)
-    with pytest.raises(ValueError, match="attention stays 'sdpa' under the rope_ext patch: self_extend runs on the eager or sdpa"):
-        tiny_model.set_attn_implementation("flex_attention")
-    assert tiny_model.config._attn_implementation == "rope_ext_sdpa"
-    assert torch.equal(logits(tiny_model, text), before)
-
-
 def test_unpatch_of_a_static_method_keeps_the_backend_chosen_last(tiny_model):
     rope_ext.patch(tiny_model, "ntk", factor=4)
     tiny_model.set_attn_implementation("eager")
