@@ -17,6 +17,9 @@ from rope_ext.attention import AttentionChain, AttentionTransform
 
 WINDOW = 64
 
+# The methods whose keys are cached before rotation: attention rotates them at each forward.
+DYNAMIC_METHODS = ["dynamic", "dynamic_yarn", "self_extend"]
+
 SHAPES = {
     "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
     "mistral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, sliding_window=None),
@@ -62,6 +65,27 @@ def native_twin(model, rope_parameters: dict, max_position_embeddings: int | Non
 @torch.no_grad()
 def logits(model, ids):
     return model(ids).logits
+
+
+def load_llama(path, **kwargs):
+    """The checkpoint at `path` (the tiny model) in fp32 and eval mode, through plain transformers."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def greedy(model, prompt, new_tokens, **kwargs):
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def cli_error_line(argv, capsys) -> str:
+    """The one error line of a command that must exit 2 (a usage error)."""
+    from rope_ext import cli
+
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 N_SEQUENCES = 16  # evenly spaced over the four held-out plays
