@@ -11,6 +11,8 @@ import torch
 
 from rope_ext.training import tiny
 
+from helpers import load_llama
+
 # The suite runs thousands of ops on tiny matrices, where a second thread costs more in
 # synchronisation than it gains (measured 4-10x slower with 2 threads on a busy 2-core machine).
 torch.set_num_threads(1)
@@ -33,9 +35,7 @@ def tiny_path(pytestconfig) -> Path:
 @pytest.fixture
 def tiny_model(tiny_path):
     """A fresh fp32 copy in eval mode: tests may patch or modify it freely."""
-    from transformers import LlamaForCausalLM
-
-    return LlamaForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    return load_llama(tiny_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,24 @@
-"""Small random-weight models for tests that check plumbing and exactness (not quality)."""
+"""Small random-weight models for tests that check plumbing and exactness (not quality), and the
+checks and references that several test modules share."""
 
 from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import rope_ext
+from rope_ext import attention
+from rope_ext.attention import AttentionChain, AttentionTransform
 
 WINDOW = 64
+
+# The methods whose keys are cached before rotation: attention rotates them at each forward.
+DYNAMIC_METHODS = ["dynamic", "dynamic_yarn", "self_extend"]
 
 SHAPES = {
     "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
@@ -30,6 +37,11 @@ def random_config(model_type: str = "llama", attn: str = "sdpa", rope_parameters
     )
     config._attn_implementation = attn
     return config
+
+
+def random_ids(length: int, seed: int = 0) -> torch.LongTensor:
+    """[1, length] token ids of the random models' vocabulary, seeded."""
+    return torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def random_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, **overrides):
@@ -53,6 +65,27 @@ def native_twin(model, rope_parameters: dict, max_position_embeddings: int | Non
 @torch.no_grad()
 def logits(model, ids):
     return model(ids).logits
+
+
+def load_llama(path, **kwargs):
+    """The checkpoint at `path` (the tiny model) in fp32 and eval mode, through plain transformers."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+def greedy(model, prompt, new_tokens, **kwargs):
+    return model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def cli_error_line(argv, capsys) -> str:
+    """The one error line of a command that must exit 2 (a usage error)."""
+    from rope_ext import cli
+
+    assert cli.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 N_SEQUENCES = 16  # evenly spaced over the four held-out plays
@@ -123,11 +156,10 @@ def assert_refuses_other_backends(method: str) -> None:
         rope_ext.patch(model, method, factor=4)
 
 
-def assert_refuses_other_backends_and_padding(method: str) -> None:
-    """`method` refuses a backend other than eager/sdpa at patch time, and a padded batch when run."""
+def assert_refuses_padded_batches(method: str) -> None:
+    """`method`, patched, refuses a padded batch when run."""
     import pytest
 
-    assert_refuses_other_backends(method)
     model = random_model()
     rope_ext.patch(model, method, factor=4)
     x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0)).expand(2, -1)
@@ -135,3 +167,79 @@ def assert_refuses_other_backends_and_padding(method: str) -> None:
     mask[1, :5] = 0
     with pytest.raises(ValueError, match="unpadded"), torch.no_grad():
         model(x, attention_mask=mask)
+
+
+def assert_saves_reloads_and_unpatches(model, method: str, params: dict, ids: torch.LongTensor, path) -> None:
+    """Patched with `method` and `params`, `model` saves to `path` with a warning that plain
+    transformers loads the unpatched model; rope_ext.from_pretrained gives back the patch (its
+    record, every parameter given, the logits bit for bit), plain transformers the unpatched model,
+    and unpatch restores the model, its config and its attention modules exactly."""
+    import pytest
+
+    with torch.no_grad():
+        plain = model(ids).logits
+        config = copy.deepcopy(model.config.to_dict())
+        rope_ext.patch(model, method, **params)
+        patched = model(ids).logits
+        with pytest.warns(UserWarning, match=f"'{method}' patch .* load it with rope_ext.from_pretrained"):
+            model.save_pretrained(path)
+        reloaded = rope_ext.from_pretrained(path, dtype=torch.float32).eval()
+        assert rope_ext.describe(reloaded) == rope_ext.describe(model)
+        stored = rope_ext.describe(reloaded)["params"]
+        for name, value in params.items():
+            if name != "factor" and value != "auto":  # "auto" is resolved to a value when patching
+                assert stored[name] == value and type(stored[name]) is type(value), (name, stored[name])
+        assert torch.equal(reloaded(ids).logits, patched)
+        plain_reload = type(model).from_pretrained(path, dtype=torch.float32).eval()
+        assert torch.equal(plain_reload(ids).logits, plain)  # transformers alone: the unpatched model
+        rope_ext.unpatch(model)
+        assert torch.equal(model(ids).logits, plain)
+    assert rope_ext.describe(model) is None
+    assert model.config.to_dict() == config
+    assert not any(hasattr(layer.self_attn, "rope_ext_attention") for layer in model.model.layers)
+    assert method in rope_ext.methods()
+
+
+# References and probes inside attention: rope_ext.attention's transforms.
+
+def rotate(x, positions, base, dim):
+    """x [B, H, S, dim] rotated to `positions` [S], pairs (i, i + dim/2): written out independently."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
+    angles = positions[:, None].float() * inv_freq[None, :]
+    cos, sin = angles.cos(), angles.sin()
+    a, b = x[..., : dim // 2], x[..., dim // 2 :]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def set_chain(model, transforms):
+    """Every layer's attention runs through `transforms` in place of the patch's own."""
+    chain = AttentionChain(transforms)
+    for layer in model.model.layers:
+        layer.self_attn.rope_ext_attention = chain
+
+
+class CountCalls(AttentionTransform):
+    """Passes everything on, counting the calls that reach the backend."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        self.calls += 1
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def count_lse_calls(monkeypatch) -> dict:
+    """Counts the calls of rope_ext.attention.attend_with_lse, in {"calls": n}, under every name a
+    loaded rope_ext module imported it as (the methods import it into their own namespace)."""
+    counted = {"calls": 0}
+    original = attention.attend_with_lse
+
+    def counting(*args, **kwargs):
+        counted["calls"] += 1
+        return original(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("rope_ext") and getattr(module, "attend_with_lse", None) is original:
+            monkeypatch.setattr(module, "attend_with_lse", counting)
+    return counted

@@ -24,6 +24,8 @@ from rope_ext.arguments import convert_chatglm as add_arguments
 from rope_ext.patches.chatglm.convert import convert_chatglm, ratio_meaning_from_code, run
 from rope_ext.patches.chatglm.adapter import ChatGLMRotaryEmbedding, read_convention, reference_table
 
+from helpers import cli_error_line
+
 FIXTURE = Path(__file__).parent / "fixtures" / "chatglm"
 WINDOW = 32  # the fixtures' seq_length
 # generation -> (rope_ratio, what it means, effective base, position ratio)
@@ -179,6 +181,21 @@ def test_converter_from_a_folder_needs_or_reads_the_ratio_meaning(checkpoints, t
     assert (remote_logits(load(checkpoints["chatglm2"]), x) - native_logits(wrong, x)).abs().max() > 100 * TOL
 
 
+def test_convert_chatglm_to_an_existing_file(checkpoints, tmp_path, capsys):
+    dst = tmp_path / "taken"
+    dst.write_text("mine")
+    line = cli_error_line(["convert-chatglm", str(checkpoints["chatglm2"]), str(dst), "--rope-ratio-meaning", "positions"], capsys)
+    assert "taken is a file, not a folder" in line
+    assert dst.read_text() == "mine"
+
+
+def test_convert_chatglm_names_the_flag_on_the_command_line(checkpoints, tmp_path, capsys):
+    line = cli_error_line(["convert-chatglm", str(checkpoints["chatglm2"]), str(tmp_path / "out")], capsys)
+    assert "pass --rope-ratio-meaning base" in line and "--rope-ratio-meaning positions" in line
+    assert "rope_ratio_meaning=" not in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_ratio_meaning_is_read_from_each_generations_code():
     chatglm2_32k = "def forward_impl(self, n):\n    seq_idx = torch.arange(n, dtype=dtype) / self.rope_ratio\n"
     chatglm3_32k = "def forward_impl(self, n, base=10000):\n    base = base * self.rope_ratio\n"
@@ -268,6 +285,21 @@ def test_unpatch_restores_exactly(checkpoints, method):
     assert model.config.to_dict() == config
     assert not model.transformer._forward_pre_hooks and not model.transformer._forward_hooks
     assert all("forward" not in layer.self_attention.core_attention.__dict__ for layer in model.transformer.encoder.layers)
+
+
+def test_without_core_attention_a_static_patch_unpatches(checkpoints):
+    model = load(checkpoints["chatglm3"])
+    for layer in model.transformer.encoder.layers:
+        del layer.self_attention.core_attention
+    rotary = model.transformer.rotary_pos_emb
+    config = copy.deepcopy(model.config.to_dict())
+    rope_ext.patch(model, "yarn", factor=4)
+    rope_ext.unpatch(model)
+    assert model.transformer.rotary_pos_emb is rotary and rope_ext.describe(model) is None
+    assert model.config.to_dict() == config
+    assert not model.transformer._forward_pre_hooks and not model.transformer._forward_hooks
+    with pytest.raises(ValueError, match="expect `transformer.encoder.layers\\[i\\].self_attention.core_attention`"):
+        rope_ext.patch(model, "dynamic", factor=4)
 
 
 def test_repatching_replaces_and_factor_stays_relative_to_seq_length(checkpoints):

@@ -1,5 +1,6 @@
 """The command lines' conventions (issue #16): --version and env, exit codes, imports only for the
-command that runs, --no-progress, and the fine-tune recipe's flags and defaults."""
+command that runs, --no-progress, every argument checked before a model loads (issue #15), and the
+fine-tune recipe's flags and defaults."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from rope_ext import cli
 from rope_ext.evals import loading
 from rope_ext.training.config import DEFAULTS, FLAGS, parse_args
 from rope_ext.training.distributed import choose_precision
+
+from helpers import cli_error_line
 
 
 def test_version(capsys):
@@ -78,6 +81,68 @@ def test_no_progress_quiets_transformers_too(tmp_path, monkeypatch):
         assert not transformers_logging.is_progress_bar_enabled()
     finally:
         transformers_logging.enable_progress_bar()
+
+
+# Late validation (issue #15): every spec and argument is checked before a model loads, and a bad
+# one is one clear line.
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: the command must have refused before."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr("rope_ext.defaults.load_smollm2", refuse)
+
+
+def test_compare_rejects_a_bad_spec_before_computing_the_good_ones(no_model, tmp_path, capsys):
+    line = cli_error_line(["compare", "--methods", "plain", "ntk", "yarn:beta_fast=x", "--output", str(tmp_path / "c")], capsys)
+    assert "beta_fast" in line and "'x'" in line and "number" in line
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--factor", "1"], "factor"),
+    (["--methods", "plain,nope"], "unknown method 'nope'"),
+    (["--length", "1"], "--length"),
+])
+def test_demo_checks_everything_before_the_plain_row(no_model, tmp_path, capsys, argv, words):
+    assert words in cli_error_line(["demo", *argv, "--output", str(tmp_path / "d")], capsys)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--method", "yarn", "--factor", "4", "--param", "beta_fast=x"], "beta_fast"),
+    (["--method", "yarn", "--factor", "4", "--original-window", "0"], "--original-window"),
+    (["--bucket", "0"], "--bucket"),
+    (["--data", "missing.txt"], "no such file"),
+    (["--min-tokens", "-1"], "--min-tokens"),
+])
+def test_ppl_checks_everything_before_the_model_loads(no_model, tmp_path, capsys, argv, words, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert words in cli_error_line(["eval", "ppl", "--lengths", "64", *argv, "--output", str(tmp_path / "p")], capsys)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--depths", "1.5"], "--depths"),
+    (["--trials", "0"], "--trials"),
+    (["--method", "dynamic", "--factor", "2", "--param", "granularity=0"], "granularity"),
+    (["--resume"], "passkey.partial.json does not exist"),
+])
+def test_passkey_checks_everything_before_the_model_loads(no_model, tmp_path, capsys, argv, words):
+    assert words in cli_error_line(["eval", "passkey", *argv, "--output", str(tmp_path / "k")], capsys)
+
+
+def test_an_existing_result_is_found_before_the_model_loads(no_model, tmp_path, capsys):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "ppl.json").write_text("{}")
+    assert "--overwrite" in cli_error_line(["eval", "ppl", "--lengths", "64", "--output", str(tmp_path / "p")], capsys)
+
+
+def test_ppl_refuses_a_binary_data_file_before_the_model_loads(no_model, tmp_path, capsys):
+    path = tmp_path / "model.txt"
+    path.write_bytes(b"\x00" * 64)
+    assert "binary" in cli_error_line(["eval", "ppl", "--lengths", "64", "--data", str(path), "--output", str(tmp_path / "p")], capsys)
 
 
 # The fine-tune recipe's command line.

@@ -1,18 +1,17 @@
 """dca: Dual Chunk Attention (rope_ext.method.dca), against its definition written out with full
-[S, S] matrices, and on the tiny trained model."""
+[S, S] matrices, its parameters, and on the tiny trained model. What every attention-side method
+meets (exactness inside the window, caching, saving, refusals) is in test_attention_methods.py."""
 
 import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import rope_ext
-from rope_ext.attention import AttentionChain, AttentionTransform
+from rope_ext.attention import AttentionTransform
 from rope_ext.method import dca
 
-from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends_and_padding, ppl_past_window, random_model
-from test_self_extend import CountCalls, count_lse_calls, rotate
+from helpers import WINDOW, assert_refused_unchanged, ppl_past_window, random_ids, random_model, rotate, set_chain
 
 
 class NaiveDualChunk(AttentionTransform):
@@ -42,21 +41,11 @@ class NaiveDualChunk(AttentionTransform):
         return (chosen.softmax(-1) @ value).transpose(1, 2), None
 
 
-def set_chain(model, transforms):
-    chain = AttentionChain(transforms)
-    for layer in model.model.layers:
-        layer.self_attn.rope_ext_attention = chain
-
-
-def ids(n, seed=0):
-    return torch.randint(0, 97, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("params", [{}, {"chunk_size": 48, "local_size": 6}, {"local_size": 20}])
 def test_matches_the_definition(monkeypatch, params):
     model = random_model("qwen2")
     rope_ext.patch(model, "dca", factor=4, **params)
-    x = ids(4 * WINDOW)
+    x = random_ids(4 * WINDOW)
     masks = []
     attend_with_lse = dca.attend_with_lse
 
@@ -72,50 +61,6 @@ def test_matches_the_definition(monkeypatch, params):
     assert (ours - naive).abs().max() < 1e-5
     # the rows past chunk_size (the first of them mid-chunk) attend without a mask
     assert masks and all(mask is None for mask in masks)
-
-
-def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, heldout_ids):
-    x = heldout_ids[None, :384]
-    with torch.no_grad():
-        plain = tiny_model(x).logits
-        rope_ext.patch(tiny_model, "dca", factor=4)
-        patched = tiny_model(x).logits
-    window = tiny_model.config.max_position_embeddings
-    assert torch.equal(patched[:, :window], plain[:, :window])
-    assert not torch.allclose(patched[:, window:], plain[:, window:])
-
-
-def test_one_forward_equals_chunked_prefill_and_decoding(tiny_model, heldout_ids):
-    x = heldout_ids[None, :400]
-    rope_ext.patch(tiny_model, "dca", factor=4)
-    with torch.no_grad():
-        full = tiny_model(x).logits
-        hidden, _ = rope_ext.chunked_forward(tiny_model, x, chunk_size=37)
-        chunked = tiny_model.lm_head(hidden)
-        cache, steps = DynamicCache(config=tiny_model.config), []
-        for t in range(x.shape[1]):
-            steps.append(tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits)
-    assert (chunked - full).abs().max() <= 1e-4
-    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-4
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_a_decode_step_past_chunk_size_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, attn):
-    tiny_model.set_attn_implementation(attn)
-    rope_ext.patch(tiny_model, "dca", factor=4, chunk_size=96, local_size=16)  # s = 80: steps in chunk 4, keys in 0 .. 4
-    x = heldout_ids[None, :400]
-    counter = CountCalls()
-    set_chain(tiny_model, [dca.DualChunkAttention(tiny_model.model.rotary_emb), counter])
-    lse = count_lse_calls(monkeypatch, dca)
-    with torch.no_grad():
-        full = tiny_model(x).logits
-        cache = DynamicCache(config=tiny_model.config)
-        tiny_model(x[:, :-5], cache=cache, use_cache=True)
-        counter.calls = lse["calls"] = 0
-        steps = torch.cat([tiny_model(x[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(395, 400)], dim=1)
-    # each step: the intra-, successive- and inter-chunk keys in one call of the model's backend
-    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
-    assert (steps - full[:, -5:]).abs().max() <= 1e-4
 
 
 def test_fp32_rounding_past_the_window_is_that_of_plain_attention(tiny_model, heldout_ids):
@@ -147,17 +92,6 @@ def test_qwen_dual_chunk_attention_config_sets_chunk_local_and_window():
     assert (explicit.params["chunk_size"], explicit.params["local_size"]) == (32, 8)
 
 
-def test_save_and_reload_reproduce_the_patch(tmp_path):
-    model = random_model()
-    rope_ext.patch(model, "dca", factor=4, local_size=8)
-    x = ids(3 * WINDOW)
-    model.save_pretrained(tmp_path)
-    reloaded = rope_ext.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        assert torch.equal(reloaded(x).logits, model(x).logits)
-    assert rope_ext.describe(reloaded)["params"]["local_size"] == 8
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -165,12 +99,7 @@ def test_save_and_reload_reproduce_the_patch(tmp_path):
         ({"local_size": WINDOW}, "local_size must be between"),
         ({"chunk_size": 1.5}, "must be an int"),
         ({"causal": False}, "do not apply"),
-        ({}, "needs a factor"),
     ],
 )
 def test_bad_parameters_change_nothing(kwargs, message):
-    assert_refused_unchanged("dca", {**({} if message == "needs a factor" else {"factor": 4}), **kwargs}, message)
-
-
-def test_refuses_other_backends_and_padded_batches():
-    assert_refuses_other_backends_and_padding("dca")
+    assert_refused_unchanged("dca", {"factor": 4, **kwargs}, message)

@@ -1,5 +1,6 @@
 """Dynamic methods under the KV cache: decoding token by token past the window must give the same
-logits as a full forward over the same prefix (transformers issue #25104)."""
+logits as a full forward over the same prefix (transformers issue #25104), assisted decoding the
+tokens of greedy decoding, and a cache the patch did not write is refused."""
 
 import copy
 
@@ -9,7 +10,7 @@ from transformers import DynamicCache
 
 import rope_ext
 
-from helpers import WINDOW, native_twin, random_model
+from helpers import DYNAMIC_METHODS, WINDOW, greedy, native_twin, random_model
 
 
 @torch.no_grad()
@@ -94,6 +95,23 @@ def test_greedy_generate_with_left_padding_matches_single_rows(tiny_model, tiny_
         alone = [tiny_model.generate(row[None], **settings)[0, len(row):] for row in (long, short)]
     assert torch.equal(together[0], alone[0])
     assert torch.equal(together[1], alone[1])
+
+
+@pytest.mark.parametrize("method", DYNAMIC_METHODS)
+def test_assisted_decoding_equals_greedy_decoding(tiny_model, heldout_ids, method):
+    rope_ext.patch(tiny_model, method, factor=4)
+    prompt = heldout_ids[None, 500:600]  # generation runs past the 128-token window
+    plain = greedy(tiny_model, prompt, 60)
+    assert torch.equal(greedy(tiny_model, prompt, 60, prompt_lookup_num_tokens=3), plain)
+
+
+def test_a_longer_cache_than_the_patch_wrote_is_still_refused(tiny_model, heldout_ids):
+    cache = DynamicCache(config=tiny_model.config)
+    with torch.no_grad():
+        tiny_model(heldout_ids[None, :10], cache=cache, use_cache=True)
+    rope_ext.patch(tiny_model, "dynamic", factor=4)
+    with pytest.raises(RuntimeError, match="did not write"), torch.no_grad():
+        tiny_model(heldout_ids[None, 10:11], cache=cache, use_cache=True)
 
 
 def test_flash_backends_see_their_own_name_under_the_wrapper():

@@ -203,6 +203,32 @@ def test_data_errors_are_clear(tmp_path, tiny_tokenizer):
         data_mod.tokenize_documents(tiny_tokenizer, data_mod.iter_texts(str(tmp_path / "short.txt")), min_tokens=1000)
 
 
+def test_a_binary_file_is_not_text(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"PK\x03\x04\x00\x00" + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"weights.bin is a binary file, not text"):
+        data_mod.iter_texts(str(path))
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.txt").write_text("fine text")
+    (folder / "b.txt").write_bytes(b"\x00\x01binary")
+    with pytest.raises(ValueError, match=r"b.txt is a binary file"):
+        data_mod.iter_texts(str(folder))
+
+
+@pytest.mark.parametrize("lines, match", [
+    (['{"text": "a"}', "", '{"text": "b"', '{"text": "c"}'], r"docs.jsonl:3: not valid JSON"),
+    (['{"text": 12345}'], r"docs.jsonl:1: field 'text' must be a string, got int 12345"),
+    (['{"text": "a"}', '["text"]'], r"docs.jsonl:2: expected a JSON object with a 'text' field, got list"),
+    (['{"body": "a"}'], r"docs.jsonl:1: no field 'text' \(fields: body\)"),
+])
+def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, lines, match):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=match):
+        data_mod.iter_texts(str(path))
+
+
 def test_cli_writes_results_and_never_overwrites(tiny_path, tmp_path):
     from rope_ext.defaults import gutenberg_documents
 

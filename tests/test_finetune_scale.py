@@ -1,6 +1,7 @@
 """recipes/finetune.py at real model sizes, checked on the tiny trained model: checkpoints that
 hold only what LoRA training changes, a half-precision or 4-bit base, the per-step log (train_log,
-accelerate's trackers, loss.png) and tokenization through `datasets`."""
+accelerate's trackers, loss.png) and the training data: tokenization through `datasets`, a token
+cache read without pickle, binary sources refused."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,7 @@ from safetensors.torch import load_file
 from rope_ext.evals.data import tokenize_documents
 from rope_ext.training.checkpoints import TRAINED_STATE, checkpoints
 from rope_ext.training.config import ConfigError, config_digest, identity_differences, parse_args
-from rope_ext.training.data import tokenize_cached
+from rope_ext.training.data import load_documents, tokenize_cached
 from rope_ext.training.finetune import main
 from rope_ext.training.model import load_kwargs
 from rope_ext.training.outputs import loss_figure
@@ -179,6 +181,31 @@ def test_tokenization_through_datasets_is_cached(tiny_tokenizer, tmp_path, monke
     assert {f: f.stat().st_mtime_ns for f in (tmp_path / "cache" / "finetune-tokens").glob("*.arrow")} == written
     with pytest.raises(ValueError, match="none of the 1 documents has text with at least 2 tokens"):
         tokenize_cached([("tiny", "a")], tiny_tokenizer)
+
+
+def test_the_token_cache_is_read_without_pickle(tmp_path, tiny_tokenizer, monkeypatch):
+    monkeypatch.setenv("ROPE_EXT_CACHE", str(tmp_path))
+    texts = [("one", "The grass is green. " * 20), ("two", "The sky is blue. " * 30)]
+    first = tokenize_cached(texts, tiny_tokenizer)
+    assert [p.suffix for p in (tmp_path / "finetune-tokens").iterdir()] == [".arrow"]
+
+    def no_pickle(*args, **kwargs):
+        raise AssertionError("the cache was unpickled")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    monkeypatch.setattr(pickle, "load", no_pickle)
+    monkeypatch.setattr(pickle, "loads", no_pickle)
+    again = tokenize_cached(texts, tiny_tokenizer)
+    assert [d.name for d in again] == ["one", "two"]
+    assert all(torch.equal(a.ids, b.ids) for a, b in zip(first, again))
+
+
+def test_the_finetune_recipe_refuses_a_binary_source(tmp_path, tiny_tokenizer):
+    path = tmp_path / "data.md"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    spec = {"source": str(path), "split": "train", "text_field": "text", "exclude": []}
+    with pytest.raises(ConfigError, match="binary"):
+        load_documents(spec, "exclude", tiny_tokenizer)
 
 
 def test_the_tokenizing_processes_do_not_change_the_run():

@@ -10,7 +10,7 @@ import rope_ext
 from rope_ext import cli
 from rope_ext.evals import loading
 
-from helpers import assert_refused_unchanged, cached_logits, ppl_past_window
+from helpers import assert_refused_unchanged, assert_saves_reloads_and_unpatches, cached_logits, ppl_past_window
 
 TRAINED = 128  # the tiny model's window
 METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"]
@@ -102,38 +102,26 @@ def test_a_left_padded_row_is_scaled_by_its_positions(tiny_model, heldout_ids, m
     assert (padded[1:, pad:] - alone).abs().max() <= 1e-4
 
 
-# 3. one forward, chunked prefill and token-by-token decoding
+# 3. one forward, chunked prefill and token-by-token decoding (the attention-side methods with
+# logn: their rows in test_attention_methods.py)
 
 
-@pytest.mark.parametrize("method", CACHED)
-def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids, method):
+def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids):
     ids = heldout_ids[None, : 3 * TRAINED]
-    rope_ext.patch(tiny_model, method, factor=4, logn=True)
+    rope_ext.patch(tiny_model, "dynamic", factor=4, logn=True)
     with torch.no_grad():
         full = tiny_model(ids).logits
     assert (cached_logits(tiny_model, ids, 37) - full).abs().max() <= 1e-4
     assert (cached_logits(tiny_model, ids, 1, prefill=TRAINED - 4) - full[:, TRAINED - 4 :]).abs().max() <= 1e-4
 
 
-# 4. saving, reloading, unpatching
+# 4. saving, reloading, unpatching (the attention-side methods with logn: their rows in
+# test_attention_methods.py)
 
 
-@pytest.mark.parametrize("method, params", [("dynamic", {"causal": False}), ("self_extend", {}), ("dca", {})])
-def test_save_reload_and_unpatch(tiny_model, heldout_ids, tmp_path, method, params):
-    ids = heldout_ids[None, : 3 * TRAINED]
-    with torch.no_grad():
-        plain = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, method, factor=4, logn=True, **params)
-        patched = tiny_model(ids).logits
-        with pytest.warns(UserWarning, match="load it with rope_ext.from_pretrained"):
-            tiny_model.save_pretrained(tmp_path)
-        reloaded = rope_ext.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert rope_ext.describe(reloaded)["params"]["logn"] is True
-        assert torch.equal(reloaded(ids).logits, patched)
-        plain_reload = type(tiny_model).from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert torch.equal(plain_reload(ids).logits, plain)  # transformers alone: the unpatched model
-        rope_ext.unpatch(tiny_model)
-        assert torch.equal(tiny_model(ids).logits, plain)
+def test_save_reload_and_unpatch(tiny_model, heldout_ids, tmp_path):
+    params = {"factor": 4, "causal": False, "logn": True}
+    assert_saves_reloads_and_unpatches(tiny_model, "dynamic", params, heldout_ids[None, : 3 * TRAINED], tmp_path)
 
 
 # 5. the parameter: which methods take it, its values, the command line

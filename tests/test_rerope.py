@@ -1,20 +1,20 @@
 """rerope: ReRoPE and Leaky ReRoPE (rope_ext.method.rerope), against an explicit per-(i, j)
-distance matrix on the tiny trained model, and its exactness, caching, saving and refusals."""
+distance matrix on the tiny trained model; its factor, window and leak. What every attention-side
+method meets (exactness inside the window, caching, saving, refusals) is in
+test_attention_methods.py."""
 
 import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import rope_ext
-from rope_ext.attention import AttentionChain, AttentionTransform
+from rope_ext.attention import AttentionTransform
 from rope_ext.method import rerope
 from rope_ext.method.attention_side import TwoPartAttention
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from helpers import assert_refused_unchanged, assert_refuses_other_backends
-from test_self_extend import rotate
+from helpers import assert_refused_unchanged, rotate, set_chain
 
 TRAINED = 128  # the tiny model's window
 
@@ -84,36 +84,7 @@ class Compare(AttentionTransform):
         return out, None
 
 
-def set_chain(model, transforms):
-    chain = AttentionChain(transforms)
-    for layer in model.model.layers:
-        layer.self_attn.rope_ext_attention = chain
-
-
-# 1. inside the trained window: the unpatched model, bit for bit
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("params", [{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24},
-                                    {"factor": 4, "causal": False}])
-def test_inside_the_window_the_model_is_the_unpatched_one_bit_for_bit(tiny_model, heldout_ids, attn, params):
-    tiny_model.set_attn_implementation(attn)
-    ids = heldout_ids[None, : 3 * TRAINED]
-    with torch.no_grad():
-        plain = [tiny_model(ids[:, :n]).logits for n in (TRAINED, TRAINED - 37, 1)]
-        plain_long = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, "rerope", **params)
-        patched = [tiny_model(ids[:, :n]).logits for n in (TRAINED, TRAINED - 37, 1)]
-        patched_long = tiny_model(ids).logits
-    for before, after in zip(plain, patched):
-        assert torch.equal(before, after)
-    if params.get("causal", True):
-        # the rows of a longer forward that have seen at most L tokens, too
-        assert torch.equal(plain_long[:, :TRAINED], patched_long[:, :TRAINED])
-    assert (plain_long[:, TRAINED:] - patched_long[:, TRAINED:]).abs().max() > 1e-2  # past the window it acts
-
-
-# 2. past the window: the explicit distances
+# past the window: the explicit distances
 
 
 @pytest.mark.parametrize("leak, window, causal, attn", [(None, 32, True, "sdpa"), (4.5, 24, True, "eager"), (6, 32, True, "sdpa"),
@@ -173,31 +144,6 @@ def test_leaky_and_plain_rerope_differ(tiny_model, heldout_ids):
             outputs.append(tiny_model(ids).logits)
     assert torch.equal(outputs[0][:, :TRAINED], outputs[1][:, :TRAINED])
     assert (outputs[0][:, TRAINED:] - outputs[1][:, TRAINED:]).abs().max() > 1e-2
-
-
-# 3. one forward, chunked prefill and token-by-token decoding
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("params", [{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24}])
-def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids, attn, params):
-    tiny_model.set_attn_implementation(attn)
-    rope_ext.patch(tiny_model, "rerope", **params)
-    ids = heldout_ids[None, : 3 * TRAINED]
-    with torch.no_grad():
-        full = tiny_model(ids).logits
-        cache = DynamicCache(config=tiny_model.config)
-        chunks = torch.cat([tiny_model(c, cache=cache, use_cache=True).logits for c in ids.split(TRAINED - 3, dim=1)], dim=1)
-        cache = DynamicCache(config=tiny_model.config)
-        tiny_model(ids[:, : TRAINED - 4], cache=cache, use_cache=True)
-        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
-                           for t in range(TRAINED - 4, TRAINED + 40)], dim=1)
-        cache = DynamicCache(config=tiny_model.config)
-        tiny_model(ids[:, :-6], cache=cache, use_cache=True)
-        last = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(ids.shape[1] - 6, ids.shape[1])], dim=1)
-    assert (chunks - full).abs().max() <= 1e-4
-    assert (steps - full[:, TRAINED - 4 : TRAINED + 40]).abs().max() <= 1e-4
-    assert (last - full[:, -6:]).abs().max() <= 1e-4
 
 
 def test_greedy_generation_past_the_window_matches_one_forward(tiny_model, heldout_ids):
@@ -285,33 +231,6 @@ def test_what_factor_window_and_leak_mean(tiny_model):
 def test_bad_parameters_change_nothing(tiny_model, kwargs, message):
     # the messages name the tiny model's 128-token window: refused on that model, not a random one
     assert_refused_unchanged("rerope", kwargs, message, model=tiny_model)
-
-
-def test_unsupported_backend_is_refused():
-    assert_refuses_other_backends("rerope")
-
-
-# 4. saving, reloading, unpatching
-
-
-@pytest.mark.parametrize("params", [{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24, "causal": False}])
-def test_unpatch_save_and_reload(tiny_model, heldout_ids, tmp_path, params):
-    ids = heldout_ids[None, : 3 * TRAINED]
-    with torch.no_grad():
-        plain = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, "rerope", **params)
-        patched = tiny_model(ids).logits
-        with pytest.warns(UserWarning, match="'rerope' patch .* load it with rope_ext.from_pretrained"):
-            tiny_model.save_pretrained(tmp_path)
-        reloaded = rope_ext.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert rope_ext.describe(reloaded) == rope_ext.describe(tiny_model)
-        assert torch.equal(reloaded(ids).logits, patched)
-        rope_ext.unpatch(tiny_model)
-        assert torch.equal(tiny_model(ids).logits, plain)
-        assert rope_ext.describe(tiny_model) is None
-        plain_reload = type(tiny_model).from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert torch.equal(plain_reload(ids).logits, plain)  # transformers alone: the unpatched model
-    assert "rerope" in rope_ext.methods()
 
 
 def _ppl(model, ids, first):

@@ -1,4 +1,7 @@
-"""self_extend: SelfExtend's grouped attention (rope_ext.method.self_extend)."""
+"""self_extend: SelfExtend's grouped attention (rope_ext.method.self_extend), against its definition
+written out with full [S, S] matrices, its group and window, and its authors' rule. What every
+attention-side method meets (exactness inside the window, caching, saving, refusals) is in
+test_attention_methods.py."""
 
 import copy
 import warnings
@@ -10,20 +13,11 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import parts as attention
-from rope_ext.attention import AttentionChain, AttentionTransform
+from rope_ext.attention import AttentionTransform
 from rope_ext.evals import loading
 from rope_ext.method import attention_side, self_extend
 
-from helpers import WINDOW, assert_refused_unchanged, assert_refuses_other_backends, random_model
-
-
-def rotate(x, positions, base, dim):
-    """x [B, H, S, dim] rotated to `positions` [S], pairs (i, i + dim/2): written out independently."""
-    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2).float() / dim)
-    angles = positions[:, None].float() * inv_freq[None, :]
-    cos, sin = angles.cos(), angles.sin()
-    a, b = x[..., : dim // 2], x[..., dim // 2 :]
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+from helpers import WINDOW, assert_refused_unchanged, random_model, rotate, set_chain
 
 
 class NaiveSelfExtend(AttentionTransform):
@@ -46,37 +40,6 @@ class NaiveSelfExtend(AttentionTransform):
         scores = torch.where(use_grouped, grouped, own) * scaling
         scores = scores.masked_fill(distance < 0, float("-inf"))
         return (scores.softmax(-1) @ value).transpose(1, 2), None
-
-
-def set_chain(model, transforms):
-    chain = AttentionChain(transforms)
-    for layer in model.model.layers:
-        layer.self_attn.rope_ext_attention = chain
-
-
-class CountCalls(AttentionTransform):
-    """Passes everything on, counting the calls that reach the backend."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        self.calls += 1
-        return attend(module, query, key, value, attention_mask, **kwargs)
-
-
-def count_lse_calls(monkeypatch, *modules) -> dict:
-    """Counts the calls of attend_with_lse made from `modules`, in {"calls": n}."""
-    counted = {"calls": 0}
-    original = attention.attend_with_lse
-
-    def counting(*args, **kwargs):
-        counted["calls"] += 1
-        return original(*args, **kwargs)
-
-    for module in modules:
-        monkeypatch.setattr(module, "attend_with_lse", counting)
-    return counted
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -166,54 +129,6 @@ def test_attention_by_scores_in_blocks_is_the_cpu_kernel(monkeypatch, causal, ma
     assert (out - kernel_out).abs().max() <= 1e-5 and (lse - kernel_lse).abs().max() <= 1e-5
 
 
-def test_inside_the_window_the_model_is_unchanged(tiny_model, heldout_ids):
-    window = tiny_model.config.max_position_embeddings
-    ids = heldout_ids[None, : 4 * window]
-    with torch.no_grad():
-        plain = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, "self_extend", factor=4)
-        patched = tiny_model(ids).logits
-        short = tiny_model(ids[:, :window]).logits
-    assert (short - plain[:, :window]).abs().max() <= 1e-5
-    assert (patched[:, :window] - plain[:, :window]).abs().max() <= 1e-5
-    assert (patched[:, window:] - plain[:, window:]).abs().max() > 1.0  # past the window it does act
-
-
-def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids):
-    window = tiny_model.config.max_position_embeddings
-    rope_ext.patch(tiny_model, "self_extend", group=4, window=32)
-    ids = heldout_ids[None, : 3 * window]
-    with torch.no_grad():
-        full = tiny_model(ids).logits
-        cache = DynamicCache(config=tiny_model.config)
-        chunks = torch.cat([tiny_model(c, cache=cache, use_cache=True).logits for c in ids.split(window - 3, dim=1)], dim=1)
-        cache = DynamicCache(config=tiny_model.config)
-        tiny_model(ids[:, : window - 4], cache=cache, use_cache=True)
-        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(window - 4, window + 40)], dim=1)
-    assert (chunks - full).abs().max() <= 1e-4
-    assert (steps - full[:, window - 4 : window + 40]).abs().max() <= 1e-4
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, attn):
-    tiny_model.set_attn_implementation(attn)
-    info = rope_ext.patch(tiny_model, "self_extend", group=3, window=32)  # 32 % 3 != 0: distance 32 is grouped differently
-    ids = heldout_ids[None, : info.max_length]  # 318
-    counter = CountCalls()
-    set_chain(tiny_model, [attention_side.TwoPartAttention(tiny_model.model.rotary_emb), counter])
-    lse = count_lse_calls(monkeypatch, attention_side, attention)  # the window attention calls it from rope_ext.attention
-    with torch.no_grad():
-        full = tiny_model(ids).logits
-        cache = DynamicCache(config=tiny_model.config)
-        tiny_model(ids[:, :-5], cache=cache, use_cache=True)
-        counter.calls = lse["calls"] = 0
-        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
-                           for t in range(info.max_length - 5, info.max_length)], dim=1)
-    # each step: every key, near and distant, in one call of the model's backend
-    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
-    assert (steps - full[:, -5:]).abs().max() <= 1e-4
-
-
 def _ppl(model, ids, first):
     with torch.no_grad():
         logits = model(ids).logits[0, first - 1 : -1]
@@ -281,7 +196,6 @@ def test_factor_group_and_window(tiny_model):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({}, "needs a factor"),
         ({"group": 1}, "group must be >= 2"),
         ({"group": 4, "window": 128}, "must be smaller than the trained window"),
         ({"factor": 8, "group": 4, "window": 32}, "reaches 416 tokens"),
@@ -296,26 +210,6 @@ def test_factor_group_and_window(tiny_model):
 def test_bad_parameters_change_nothing(tiny_model, kwargs, message):
     # the messages name the tiny model's 128-token window: refused on that model, not a random one
     assert_refused_unchanged("self_extend", kwargs, message, model=tiny_model)
-
-
-def test_unsupported_backend_is_refused():
-    assert_refuses_other_backends("self_extend")
-
-
-def test_unpatch_save_and_reload(tiny_model, heldout_ids, tmp_path):
-    window = tiny_model.config.max_position_embeddings
-    ids = heldout_ids[None, : 3 * window]
-    with torch.no_grad():
-        plain = tiny_model(ids).logits
-        rope_ext.patch(tiny_model, "self_extend", group=4, window=32)
-        patched = tiny_model(ids).logits
-        tiny_model.save_pretrained(tmp_path)
-        reloaded = rope_ext.from_pretrained(tmp_path, dtype=torch.float32).eval()
-        assert rope_ext.describe(reloaded)["params"] == rope_ext.describe(tiny_model)["params"]
-        assert torch.equal(reloaded(ids).logits, patched)
-        rope_ext.unpatch(tiny_model)
-        assert torch.equal(tiny_model(ids).logits, plain)
-    assert "self_extend" in rope_ext.methods()
 
 
 # SelfExtend's authors' rule: W + (N - W)/G within 2/3 of the trained window L.

@@ -1,25 +1,44 @@
-"""What plain transformers reloads of a saved patched model (issue #15): a patch transformers
-cannot express warns at save_pretrained, and its config claims no window the plain reload does not
-deliver; rope_ext.from_pretrained restores the patch exactly."""
+"""Saving a patched model (rope_ext.saving, rope_ext.record): what plain transformers reloads of it
+(issue #15): a patch transformers can express reloads as itself; one it cannot warns at
+save_pretrained, and its config claims no window the plain reload does not deliver;
+rope_ext.from_pretrained restores every patch exactly, and refuses a corrupted record clearly."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import rope_ext
 
-
-def load(path):
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+from helpers import WINDOW, logits, random_ids, random_model
 
 
-@torch.no_grad()
-def logits(model, ids):
-    return model(ids).logits
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn", "ntk_by_parts", "llama3"])
+def test_save_and_plain_reload_reproduce_static_methods(tmp_path, method):
+    model = random_model()
+    info = rope_ext.patch(model, method, factor=4)
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    x = random_ids(3 * WINDOW, seed=1)
+    assert torch.equal(logits(reloaded, x), logits(model, x))
+    assert reloaded.config.max_position_embeddings == info.max_length
+
+
+@pytest.mark.parametrize("method,params", [("dynamic", {}), ("dynamic", {"causal": False}), ("dynamic_yarn", {"granularity": 8}), ("yarn", {"beta_fast": 16.0})])
+def test_rope_ext_from_pretrained_restores_every_method(tmp_path, method, params):
+    model = random_model()
+    rope_ext.patch(model, method, factor=4, **params)
+    model.save_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    x = random_ids(3 * WINDOW, seed=1)
+    assert torch.equal(logits(reloaded, x), logits(model, x))
+    assert rope_ext.describe(reloaded) == rope_ext.describe(model)
+    rope_ext.unpatch(reloaded)
+    assert torch.equal(logits(reloaded, x), logits(random_model(), x))
 
 
 def rope_ext_warnings(caught) -> list[str]:
@@ -70,10 +89,6 @@ def test_an_unpatched_model_saves_without_a_warning(tiny_model, tmp_path):
 # naming the file and the key, on every loading route.
 
 def _saved_with_record(tmp_path, edit):
-    import json
-
-    from helpers import random_model
-
     model = random_model()
     rope_ext.patch(model, "yarn", factor=4)
     model.save_pretrained(tmp_path)

@@ -1,0 +1,241 @@
+"""The contract every attention-side method meets (rope_ext/method: the methods whose transform runs
+inside attention), checked on the tiny trained model (window 128) for each row of METHODS:
+
+- inside the trained window it is the unpatched model, bit for bit, on either backend;
+- one forward, chunked prefill and token-by-token decoding give the same logits;
+- a decode step past the window reaches the model's backend once per layer (where the method
+  attends to all its keys in one call);
+- it saves and reloads exactly, a plain reload is the unpatched model, and unpatch restores it;
+- what it cannot run on is refused: another backend (at patch time, and a switch to one later,
+  which changes nothing), a static cache, a padded batch where it needs one unpadded sequence; so
+  is a missing factor or an unknown parameter, and a refused patch changes nothing.
+
+A new attention-side method adds a row. Each method's own maths (against its definition written out)
+and its parameter rules live in its own module (test_self_extend.py, test_dca.py, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import rope_ext
+
+from helpers import (
+    WINDOW,
+    CountCalls,
+    assert_refused_unchanged,
+    assert_refuses_other_backends,
+    assert_refuses_padded_batches,
+    assert_saves_reloads_and_unpatches,
+    cached_logits,
+    count_lse_calls,
+    random_ids,
+    random_model,
+    set_chain,
+)
+
+TRAINED = 128  # the tiny model's window
+LENGTH = 400  # past the window, within every row's reach
+BACKENDS = ["sdpa", "eager"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One attention-side method and the parameters each contract case patches it with."""
+
+    name: str
+    inside: list[dict]  # inside the trained window it is the unpatched model
+    cached: list[dict]  # one forward == chunked prefill == decoding after a prefill
+    decoded: list[dict]  # one forward == decoding every token from an empty cache (slow: marked integration)
+    decode_step: list[dict]  # a decode step past the window is one backend call per layer (where it is)
+    saved: list[dict]  # save, reload and unpatch
+    unpadded: bool  # it needs one unpadded sequence: padded batches are refused
+
+
+METHODS = [
+    Row(
+        "self_extend",
+        inside=[{"factor": 4}],
+        cached=[{"group": 4, "window": 32}, {"factor": 4, "logn": True}],
+        decoded=[{"factor": 4, "logn": True}],
+        decode_step=[{"group": 3, "window": 32}],  # 32 % 3 != 0: distance 32 is grouped differently
+        saved=[{"group": 4, "window": 32}, {"factor": 4, "logn": True}],
+        unpadded=False,
+    ),
+    Row(
+        "dca",
+        inside=[{"factor": 4}],
+        cached=[{"factor": 4}, {"factor": 4, "logn": True}],
+        decoded=[{"factor": 4}, {"factor": 4, "logn": True}],
+        decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],  # s = 80: steps in chunk 4, keys in 0 .. 4
+        saved=[{"factor": 4, "local_size": 8}, {"factor": 4, "logn": True}],
+        unpadded=True,
+    ),
+    Row(
+        "rerope",
+        inside=[{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24}, {"factor": 4, "causal": False}],
+        cached=[{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24}],
+        decoded=[{"factor": 4, "leak": "auto"}],
+        decode_step=[{"factor": 4, "leak": "auto"}],
+        saved=[{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24, "causal": False}],
+        unpadded=False,
+    ),
+    Row(
+        "sink_window",
+        inside=[{"factor": 4}],
+        cached=[{"factor": 4}, {"factor": 4, "sinks": 2, "window": 50}],
+        decoded=[{"factor": 4}, {"factor": 4, "sinks": 2, "window": 50}],
+        decode_step=[],  # a step attends to the sinks and to the window in two calls, merged by log-sum-exp
+        saved=[{"factor": 4, "sinks": 2, "window": 30}],
+        unpadded=True,
+    ),
+]
+
+
+def cases(case: str, backends: list[str] | None = None) -> list:
+    """pytest params (method, params[, backend]) for each row's parameters for `case`, on each backend."""
+    out = []
+    for row in METHODS:
+        for params in getattr(row, case):
+            name = "-".join([row.name, ",".join(f"{k}={v}" for k, v in params.items())])
+            if backends is None:
+                out.append(pytest.param(row.name, params, id=name))
+            else:
+                out += [pytest.param(row.name, params, attn, id=f"{name}-{attn}") for attn in backends]
+    return out
+
+
+def rows(where=lambda row: True) -> list:
+    return [pytest.param(row.name, id=row.name) for row in METHODS if where(row)]
+
+
+@pytest.fixture
+def ids(heldout_ids):
+    return heldout_ids[None, :LENGTH]
+
+
+# Inside the trained window: the unpatched model, bit for bit.
+
+
+@pytest.mark.parametrize("method, params, attn", cases("inside", BACKENDS))
+def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, ids, method, params, attn):
+    tiny_model.set_attn_implementation(attn)
+    lengths = (TRAINED, TRAINED - 37, 1)
+    with torch.no_grad():
+        plain = [tiny_model(ids[:, :n]).logits for n in lengths]
+        plain_long = tiny_model(ids).logits
+        rope_ext.patch(tiny_model, method, **params)
+        patched = [tiny_model(ids[:, :n]).logits for n in lengths]
+        patched_long = tiny_model(ids).logits
+    for before, after in zip(plain, patched):
+        assert torch.equal(before, after)
+    if params.get("causal", True):
+        # the rows of a longer forward that have seen at most L tokens, too (causal=False treats
+        # every row of a forward past the window alike)
+        assert torch.equal(plain_long[:, :TRAINED], patched_long[:, :TRAINED])
+    assert (plain_long[:, TRAINED:] - patched_long[:, TRAINED:]).abs().max() > 1.0  # past the window it acts
+
+
+# One forward, chunked prefill and token-by-token decoding.
+
+
+@pytest.mark.parametrize("method, params, attn", cases("cached", BACKENDS))
+def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, ids, method, params, attn):
+    """Chunks of 37 and of L - 3 tokens (rope_ext.chunked_forward, through the patch's own cache),
+    then decoding after a prefill: across the window's edge, and the last tokens after a prefill
+    past it."""
+    tiny_model.set_attn_implementation(attn)
+    rope_ext.patch(tiny_model, method, **params)
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        for chunk_size in (37, TRAINED - 3):
+            hidden, _ = rope_ext.chunked_forward(tiny_model, ids, chunk_size=chunk_size)
+            assert (tiny_model.lm_head(hidden) - full).abs().max() <= 1e-4, chunk_size
+    across = cached_logits(tiny_model, ids[:, : TRAINED + 40], 1, prefill=TRAINED - 4)
+    assert (across - full[:, TRAINED - 4 : TRAINED + 40]).abs().max() <= 1e-4
+    last = cached_logits(tiny_model, ids, 1, prefill=LENGTH - 6)
+    assert (last - full[:, -6:]).abs().max() <= 1e-4
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("method, params", cases("decoded"))
+def test_decoding_every_token_from_an_empty_cache_equals_one_forward(tiny_model, ids, method, params):
+    rope_ext.patch(tiny_model, method, **params)
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+    assert (cached_logits(tiny_model, ids, 1) - full).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("method, params, attn", cases("decode_step", BACKENDS))
+def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, method, params, attn):
+    tiny_model.set_attn_implementation(attn)
+    info = rope_ext.patch(tiny_model, method, **params)
+    ids = heldout_ids[None, : min(LENGTH, info.max_length)]  # at most the longest input the patch is meant for
+    counter = CountCalls()
+    set_chain(tiny_model, [*tiny_model.model.layers[0].self_attn.rope_ext_attention.transforms, counter])
+    lse = count_lse_calls(monkeypatch)
+    with torch.no_grad():
+        full = tiny_model(ids).logits
+        cache = DynamicCache(config=tiny_model.config)
+        tiny_model(ids[:, :-5], cache=cache, use_cache=True)
+        counter.calls = lse["calls"] = 0
+        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
+                           for t in range(ids.shape[1] - 5, ids.shape[1])], dim=1)
+    # each step: every key, near and distant, in one call of the model's backend
+    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
+    assert (steps - full[:, -5:]).abs().max() <= 1e-4
+
+
+# Saving, reloading, unpatching.
+
+
+@pytest.mark.parametrize("method, params", cases("saved"))
+def test_save_reload_and_unpatch(tiny_model, ids, tmp_path, method, params):
+    assert_saves_reloads_and_unpatches(tiny_model, method, params, ids[:, : 3 * TRAINED], tmp_path)
+
+
+# What it cannot run on: refused, and nothing changes.
+
+
+@pytest.mark.parametrize("method", rows())
+def test_other_backends_are_refused(method):
+    assert_refuses_other_backends(method)
+
+
+@pytest.mark.parametrize("method", rows())
+def test_switching_to_a_backend_it_cannot_run_on_is_refused_and_nothing_changes(tiny_model, ids, method):
+    rope_ext.patch(tiny_model, method, factor=4)
+    with torch.no_grad():
+        before = tiny_model(ids).logits
+    with pytest.raises(ValueError, match=f"attention stays 'sdpa' under the rope_ext patch: {method} runs on the eager or sdpa"):
+        tiny_model.set_attn_implementation("flex_attention")
+    assert tiny_model.config._attn_implementation == "rope_ext_sdpa"
+    with torch.no_grad():
+        assert torch.equal(tiny_model(ids).logits, before)
+
+
+@pytest.mark.parametrize("method", rows(lambda row: row.unpadded))
+def test_padded_batches_are_refused(method):
+    assert_refuses_padded_batches(method)
+
+
+@pytest.mark.parametrize("method", rows())
+def test_a_static_cache_is_refused(method):
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    cache = StaticCache(config=model.config, max_cache_len=4 * WINDOW)
+    with pytest.raises(ValueError, match=f"{method}: pre-allocated \\(static\\) KV caches are not supported"), torch.no_grad():
+        model(random_ids(8), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("method", rows())
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "needs a factor"),
+    ({"factor": 4, "beta_fast": 4}, r"unknown parameter\(s\) \['beta_fast'\]"),
+], ids=["no_factor", "unknown_parameter"])
+def test_a_missing_factor_or_an_unknown_parameter_changes_nothing(method, kwargs, message):
+    assert_refused_unchanged(method, kwargs, message)
