@@ -66,7 +66,9 @@ def _register_naive(w: int) -> None:
         bias.masked_fill_(j > i, torch.finfo(bias.dtype).min)
         if attention_mask is not None:
             bias = torch.where(attention_mask, bias, torch.finfo(bias.dtype).min)
-        return sdpa_attention_forward(module, query, key, value, bias.to(query.dtype).expand(query.shape[0], -1, -1, -1), **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, bias.to(query.dtype).expand(query.shape[0], -1, -1, -1), **kwargs
+        )
 
     ALL_ATTENTION_FUNCTIONS.register(NAIVE, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAIVE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -113,10 +115,16 @@ def run_child(args) -> dict:
     peak = _status_kib("VmHWM")
     nll = F.cross_entropy(logits, ids[0, -LAST:]).item()
     return {
-        "variant": args.child, "length": args.length, "seconds": round(seconds, 2), "cpu_seconds": round(cpu_seconds, 2),
-        "rss_before_mib": round(before / 1024, 1), "peak_rss_mib": round(peak / 1024, 1),
-        "forward_added_mib": round((peak - before) / 1024, 1), "ppl_last_1k": round(math.exp(nll), 3),
-        "torch_threads": torch.get_num_threads(), "provenance": record,
+        "variant": args.child,
+        "length": args.length,
+        "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu_seconds, 2),
+        "rss_before_mib": round(before / 1024, 1),
+        "peak_rss_mib": round(peak / 1024, 1),
+        "forward_added_mib": round((peak - before) / 1024, 1),
+        "ppl_last_1k": round(math.exp(nll), 3),
+        "torch_threads": torch.get_num_threads(),
+        "provenance": record,
     }
 
 
@@ -149,9 +157,7 @@ def markdown(results: list[dict], args) -> str:
         if "seconds" not in r:
             lines.append(f"| {r['variant']} | {r['error']} | | | | | | | |")
             continue
-        ratios = [""] * 3 if base is None else [
-            f"{r[k] / base[k]:.2f}x" for k in ("peak_rss_mib", "cpu_seconds", "seconds")
-        ]
+        ratios = [""] * 3 if base is None else [f"{r[k] / base[k]:.2f}x" for k in ("peak_rss_mib", "cpu_seconds", "seconds")]
         lines.append(
             f"| {r['variant']} | {r['peak_rss_mib']:.0f} | {r['forward_added_mib']:.0f} | {r['cpu_seconds']:.0f} | "
             f"{r['seconds']:.0f} | {' | '.join(ratios)} | {r['ppl_last_1k']:.2f} |"
@@ -167,8 +173,12 @@ def markdown(results: list[dict], args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=16384)
-    parser.add_argument("--factor", type=float, default=4.0,
-                        help='rotary factor (default 4, as in docs/references.md, "Reference measurements on SmolLM2-135M")')
+    parser.add_argument(
+        "--factor",
+        type=float,
+        default=4.0,
+        help='rotary factor (default 4, as in docs/references.md, "Reference measurements on SmolLM2-135M")',
+    )
     parser.add_argument("--w", type=int, default=None, help="bias-free distance (default: the model's window)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
@@ -193,8 +203,18 @@ def main() -> None:
                 continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "result.json"
-            command = [sys.executable, __file__, "--child", variant, "--child-out", str(out),
-                       "--length", str(args.length), "--factor", str(args.factor)]
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                variant,
+                "--child-out",
+                str(out),
+                "--length",
+                str(args.length),
+                "--factor",
+                str(args.factor),
+            ]
             if args.w is not None:
                 command += ["--w", str(args.w)]
             try:
@@ -212,8 +232,9 @@ def main() -> None:
     table = markdown(results, args)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                                    "provenance": record}, indent=2))
+    args.out.write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results, "provenance": record}, indent=2)
+    )
     args.out.with_suffix(".md").write_text(table + "\n" + ("" if record is None else "\n" + provenance_line(record)))
 
 

@@ -52,7 +52,9 @@ class OneSoftmax(TwoPartAttention):
         q_own, k_own = self.rotate_to(query, frame.q_pos, inv_freq, scale), self.rotate_to(key, k_pos, inv_freq, scale)
         extended = frame.lengths > rotary.geometry.original_window
         first = int(extended.any(0).nonzero()[0])  # the bench's input always goes past the window
-        q_group = self.rotate_to(query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale)
+        q_group = self.rotate_to(
+            query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale
+        )
         k_group = self.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
         queries = torch.cat((q_own, q_group), dim=-1)
         neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
@@ -103,8 +105,10 @@ def max_logit_difference(model, a: torch.Tensor, b: torch.Tensor, model_b=None) 
     """max |logits(a) - logits(b)| over every position, hidden states a through `model`'s LM head and
     b through `model_b`'s (default: the same), compared in the wider of the two dtypes."""
     head_a, head_b = model.get_output_embeddings(), (model_b or model).get_output_embeddings()
-    return max((head_a(a[:, i : i + HEAD_ROWS]).double() - head_b(b[:, i : i + HEAD_ROWS]).double()).abs().max().item()
-               for i in range(0, a.shape[1], HEAD_ROWS))
+    return max(
+        (head_a(a[:, i : i + HEAD_ROWS]).double() - head_b(b[:, i : i + HEAD_ROWS]).double()).abs().max().item()
+        for i in range(0, a.shape[1], HEAD_ROWS)
+    )
 
 
 def main() -> None:
@@ -112,15 +116,21 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--fp64", action="store_true", help="also run each variant in fp64 and compare its fp32 logits with them")
-    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path(f"rope-ext-results/bench-attention-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose another --out")
 
     model, tokenizer = load_smollm2()
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : args.length]
-    variants = {"plain": model, "self_extend": patched(model, "self_extend"), "dca": patched(model, "dca"),
-                "self_extend, one softmax": one_softmax_variant(model)}
+    variants = {
+        "plain": model,
+        "self_extend": patched(model, "self_extend"),
+        "dca": patched(model, "dca"),
+        "self_extend, one softmax": one_softmax_variant(model),
+    }
     seconds = {name: [] for name in variants}
     hidden = {}
     for _ in tqdm(range(args.repeats), desc=f"forward x{args.length}"):
@@ -129,17 +139,23 @@ def main() -> None:
             seconds[name].append(took)
     plain = seconds["plain"]
     results = {
-        "length": args.length, "repeats": args.repeats, "provenance": provenance(model, None),
+        "length": args.length,
+        "repeats": args.repeats,
+        "provenance": provenance(model, None),
         "forward_s": seconds,
         "ratio_to_plain": {name: min(s) / min(plain) for name, s in seconds.items()},
         "median_ratio_to_plain": {name: statistics.median(s) / statistics.median(plain) for name, s in seconds.items()},
-        "self_extend_max_abs_logit_difference": max_logit_difference(model, hidden["self_extend"], hidden["self_extend, one softmax"]),
+        "self_extend_max_abs_logit_difference": max_logit_difference(
+            model, hidden["self_extend"], hidden["self_extend, one softmax"]
+        ),
     }
     print(f"\nDecoder forward at {args.length} tokens, fastest of {args.repeats} (torch threads: {torch.get_num_threads()})")
     print("| variant | s | / plain | / plain, medians |\n|---|---|---|---|")
     for name, s in seconds.items():
         print(f"| {name} | {min(s):.1f} | {results['ratio_to_plain'][name]:.3f} | {results['median_ratio_to_plain'][name]:.3f} |")
-    print(f"\nself_extend vs its one-softmax formulation: max |delta logit| = {results['self_extend_max_abs_logit_difference']:.2e} (fp32)")
+    print(
+        f"\nself_extend vs its one-softmax formulation: max |delta logit| = {results['self_extend_max_abs_logit_difference']:.2e} (fp32)"
+    )
     if args.fp64:
         rounding = {}
         for name, variant in tqdm(variants.items(), desc=f"fp64 x{args.length}"):

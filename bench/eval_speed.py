@@ -37,8 +37,9 @@ def compare(model, docs, lengths, stride, bos, bos_id, rounds: int) -> dict:
     counts, so a burst of load from other processes does not decide the ratio."""
 
     def reference():
-        return {n: perplexity.reforward_perplexity(model, docs, n, stride, bos=bos, bos_id=bos_id, progress=False)
-                for n in lengths}
+        return {
+            n: perplexity.reforward_perplexity(model, docs, n, stride, bos=bos, bos_id=bos_id, progress=False) for n in lengths
+        }
 
     def ours():
         return perplexity.evaluate(model, docs, lengths, stride=stride, bos=bos, bos_id=bos_id, progress=False)
@@ -59,7 +60,10 @@ def compare(model, docs, lengths, stride, bos, bos_id, rounds: int) -> dict:
     best = {name: min(t[0] for t in runs) for name, runs in times.items()}
     best_cpu = {name: min(t[1] for t in runs) for name, runs in times.items()}
     return {
-        "lengths": lengths, "stride": stride, "scored_tokens": tokens, "rounds": rounds,
+        "lengths": lengths,
+        "stride": stride,
+        "scored_tokens": tokens,
+        "rounds": rounds,
         "wall_seconds": {k: [round(t[0], 2) for t in v] for k, v in times.items()},
         "cpu_seconds": {k: [round(t[1], 2) for t in v] for k, v in times.items()},
         "reforward_tokens_per_s": round(tokens / best["reforward"], 1),
@@ -78,12 +82,15 @@ def main(argv=None) -> int:
     parser.add_argument("--factor", type=float, default=None)
     parser.add_argument("--length", type=int, default=512, help="window W of the single-length measurement")
     parser.add_argument("--stride", type=int, default=128, help="stride S (both measurements)")
-    parser.add_argument("--multi", type=int, nargs="*", default=[128, 256, 512],
-                        help="lengths of the multi-length measurement (none: skip it)")
+    parser.add_argument(
+        "--multi", type=int, nargs="*", default=[128, 256, 512], help="lengths of the multi-length measurement (none: skip it)"
+    )
     parser.add_argument("--tokens", type=int, default=1536, help="tokens of the Gutenberg text to evaluate")
     parser.add_argument("--bos", action="store_true", help="BOS per window, as YaRN's script does")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per measurement; the fastest counts (default: 2)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds per measurement; the fastest counts (default: 2)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
 
@@ -96,22 +103,32 @@ def main(argv=None) -> int:
     # one untimed forward, so lazy initialisation lands on neither side
     perplexity.evaluate(model, [Document("warm-up", docs[0].ids[:64])], [64], progress=False)
 
-    report = {"model": loading.model_label(model), "method": args.method, "factor": None if info is None else info.factor,
-              "threads": args.threads, "tokens": len(ids), "bos": args.bos,
-              "provenance": output.provenance(model, args.model),
-              "single": compare(model, docs, [args.length], args.stride, args.bos, bos_id, args.rounds)}
+    report = {
+        "model": loading.model_label(model),
+        "method": args.method,
+        "factor": None if info is None else info.factor,
+        "threads": args.threads,
+        "tokens": len(ids),
+        "bos": args.bos,
+        "provenance": output.provenance(model, args.model),
+        "single": compare(model, docs, [args.length], args.stride, args.bos, bos_id, args.rounds),
+    }
     if args.multi:
         report["multi"] = compare(model, docs, sorted(set(args.multi)), args.stride, args.bos, bos_id, args.rounds)
 
     print(f"{report['model']} ({args.method}), {len(ids)} tokens, stride {args.stride}, {args.threads} threads")
-    print(f"{'measurement':28} {'re-forward tok/s':>17} {'rope-ext tok/s':>15} {'ratio':>6} {'CPU-time ratio':>15}  "
-          "max rel. PPL diff")
+    print(
+        f"{'measurement':28} {'re-forward tok/s':>17} {'rope-ext tok/s':>15} {'ratio':>6} {'CPU-time ratio':>15}  "
+        "max rel. PPL diff"
+    )
     for key in ("single", "multi"):
         if key in report:
             r = report[key]
             name = f"{key}: L={','.join(map(str, r['lengths']))}"
-            print(f"{name:28} {r['reforward_tokens_per_s']:17.1f} {r['rope_ext_tokens_per_s']:15.1f} {r['ratio']:6.2f} "
-                  f"{r['cpu_ratio']:15.2f}  {r['max_rel_ppl_difference']:.1e}")
+            print(
+                f"{name:28} {r['reforward_tokens_per_s']:17.1f} {r['rope_ext_tokens_per_s']:15.1f} {r['ratio']:6.2f} "
+                f"{r['cpu_ratio']:15.2f}  {r['max_rel_ppl_difference']:.1e}"
+            )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

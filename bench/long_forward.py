@@ -42,8 +42,10 @@ BUCKET = 4096
 
 def matmul_rate(model, dtype: torch.dtype, repeats: int = 5) -> float:
     """GFLOP/s of the model's largest linear layer shape on GEMM_ROWS rows, fastest of `repeats`."""
-    shape = max((m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head),
-                key=lambda s: s[0] * s[1])
+    shape = max(
+        (m.weight.shape for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head),
+        key=lambda s: s[0] * s[1],
+    )
     a = torch.randn(GEMM_ROWS, shape[1], dtype=dtype)
     w = torch.randn(shape[1], shape[0], dtype=dtype)
     best = math.inf
@@ -70,11 +72,18 @@ def measure(model, ids: torch.Tensor) -> dict:
     hidden = model.model(ids[None]).last_hidden_state[0]
     seconds = time.perf_counter() - start
     nll = token_nll(model, hidden[:-1], ids[1:])
-    buckets = {f"{lo // 1024}-{(lo + BUCKET) // 1024}k": math.exp(nll[max(0, lo - 1) : lo + BUCKET - 1].mean().item())
-               for lo in range(0, len(ids), BUCKET)}
+    buckets = {
+        f"{lo // 1024}-{(lo + BUCKET) // 1024}k": math.exp(nll[max(0, lo - 1) : lo + BUCKET - 1].mean().item())
+        for lo in range(0, len(ids), BUCKET)
+    }
     flops = forward_flops(model, len(ids))
-    return {"seconds": seconds, "ppl": math.exp(nll.mean().item()), "ppl_by_bucket": buckets,
-            "gflops_per_s": flops / seconds / 1e9, "flops": flops}
+    return {
+        "seconds": seconds,
+        "ppl": math.exp(nll.mean().item()),
+        "ppl_by_bucket": buckets,
+        "gflops_per_s": flops / seconds / 1e9,
+        "flops": flops,
+    }
 
 
 def main() -> None:
@@ -84,7 +93,9 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=4.0)
     parser.add_argument("--passkey-length", type=int, default=16384)
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
-    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-long-forward-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path(f"rope-ext-results/bench-long-forward-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     args = parser.parse_args()
     if args.out.exists():
         raise SystemExit(f"{args.out} exists; choose another --out")
@@ -94,8 +105,15 @@ def main() -> None:
         models[name], tokenizer = load_smollm2(dtype=dtype)
         rope_ext.patch(models[name], args.method, factor=args.factor)
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[0]
-    results = {"method": args.method, "factor": args.factor, "threads": torch.get_num_threads(),
-               "provenance": provenance(models["float32"], None), "matmul_gflops_per_s": {}, "forward": {}, "passkey": {}}
+    results = {
+        "method": args.method,
+        "factor": args.factor,
+        "threads": torch.get_num_threads(),
+        "provenance": provenance(models["float32"], None),
+        "matmul_gflops_per_s": {},
+        "forward": {},
+        "passkey": {},
+    }
     for name, model in models.items():
         results["matmul_gflops_per_s"][name] = matmul_rate(model, DTYPES[name])
     for length in tqdm(args.lengths, desc="forward"):
@@ -104,25 +122,59 @@ def main() -> None:
     for depth in tqdm(args.depths, desc="passkey"):
         prompt = passkey.build_prompt(tokenizer, args.passkey_length, depth, passkey.trial_key(0, args.passkey_length, depth, 0))
         answers = {name: answer(prompt) for name, answer in answerers.items()}
-        results["passkey"][depth] = {"key": prompt.key, "answers": answers,
-                                     "correct": {name: passkey.first_integer(a) == prompt.key for name, a in answers.items()},
-                                     "same_answer": len(set(answers.values())) == 1}
+        results["passkey"][depth] = {
+            "key": prompt.key,
+            "answers": answers,
+            "correct": {name: passkey.first_integer(a) == prompt.key for name, a in answers.items()},
+            "same_answer": len(set(answers.values())) == 1,
+        }
 
     rate = results["matmul_gflops_per_s"]
-    print(f"\nSmolLM2-135M, {args.method} x{args.factor:g}, sdpa, {results['threads']} threads; "
-          f"matmul rate: fp32 {rate['float32']:.0f}, bf16 {rate['bfloat16']:.0f} GFLOP/s")
+    print(
+        f"\nSmolLM2-135M, {args.method} x{args.factor:g}, sdpa, {results['threads']} threads; "
+        f"matmul rate: fp32 {rate['float32']:.0f}, bf16 {rate['bfloat16']:.0f} GFLOP/s"
+    )
     rows = []
     for length, by_dtype in results["forward"].items():
         fp32, bf16 = by_dtype["float32"], by_dtype["bfloat16"]
-        rows.append([length, f"{fp32['seconds']:.1f}", f"{bf16['seconds']:.1f}", f"{fp32['seconds'] / bf16['seconds']:.2f}",
-                     f"{fp32['ppl']:.3f}", f"{bf16['ppl']:.3f}", f"{bf16['ppl'] / fp32['ppl'] - 1:+.2%}",
-                     f"{fp32['gflops_per_s']:.0f} ({fp32['gflops_per_s'] / rate['float32']:.0%})",
-                     f"{bf16['gflops_per_s']:.0f} ({bf16['gflops_per_s'] / rate['bfloat16']:.0%})"])
-    print(markdown_table(["tokens", "fp32 s", "bf16 s", "speed-up", "fp32 PPL", "bf16 PPL", "PPL change",
-                          "fp32 GFLOP/s (of matmul)", "bf16 GFLOP/s (of matmul)"], rows))
-    print(markdown_table(["depth", "key", "fp32 answer", "bf16 answer", "same"],
-                         [[d, r["key"], repr(r["answers"]["float32"]), repr(r["answers"]["bfloat16"]), r["same_answer"]]
-                          for d, r in results["passkey"].items()]))
+        rows.append(
+            [
+                length,
+                f"{fp32['seconds']:.1f}",
+                f"{bf16['seconds']:.1f}",
+                f"{fp32['seconds'] / bf16['seconds']:.2f}",
+                f"{fp32['ppl']:.3f}",
+                f"{bf16['ppl']:.3f}",
+                f"{bf16['ppl'] / fp32['ppl'] - 1:+.2%}",
+                f"{fp32['gflops_per_s']:.0f} ({fp32['gflops_per_s'] / rate['float32']:.0%})",
+                f"{bf16['gflops_per_s']:.0f} ({bf16['gflops_per_s'] / rate['bfloat16']:.0%})",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "tokens",
+                "fp32 s",
+                "bf16 s",
+                "speed-up",
+                "fp32 PPL",
+                "bf16 PPL",
+                "PPL change",
+                "fp32 GFLOP/s (of matmul)",
+                "bf16 GFLOP/s (of matmul)",
+            ],
+            rows,
+        )
+    )
+    print(
+        markdown_table(
+            ["depth", "key", "fp32 answer", "bf16 answer", "same"],
+            [
+                [d, r["key"], repr(r["answers"]["float32"]), repr(r["answers"]["bfloat16"]), r["same_answer"]]
+                for d, r in results["passkey"].items()
+            ],
+        )
+    )
     write_measurement(args.out, results)
 
 

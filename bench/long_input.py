@@ -49,11 +49,22 @@ def run_case(method: str, length: int, dtype: str) -> dict:
     start = time.perf_counter()
     nll = rope_ext.chunked_nll(model, ids, chunk_size=CHUNK)
     seconds = time.perf_counter() - start
-    buckets = {f"{lo // 1024}-{(lo + BUCKET) // 1024}k": math.exp(nll[max(0, lo - 1) : lo + BUCKET - 1].mean().item())
-               for lo in range(0, length, BUCKET)}
-    return {"method": method, "length": length, "dtype": dtype, "seconds": seconds, "ppl": math.exp(nll.mean().item()),
-            "ppl_by_bucket": buckets, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "threads": torch.get_num_threads(), "patch": rope_ext.describe(model), "provenance": provenance(model, None)}
+    buckets = {
+        f"{lo // 1024}-{(lo + BUCKET) // 1024}k": math.exp(nll[max(0, lo - 1) : lo + BUCKET - 1].mean().item())
+        for lo in range(0, length, BUCKET)
+    }
+    return {
+        "method": method,
+        "length": length,
+        "dtype": dtype,
+        "seconds": seconds,
+        "ppl": math.exp(nll.mean().item()),
+        "ppl_by_bucket": buckets,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(),
+        "patch": rope_ext.describe(model),
+        "provenance": provenance(model, None),
+    }
 
 
 def main() -> None:
@@ -62,7 +73,9 @@ def main() -> None:
     parser.add_argument("--others-at", type=int, default=32768, help="the length of the plain and self_extend runs (0: none)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--case", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)  # one case, in a child
-    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-long-input-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path(f"rope-ext-results/bench-long-input-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.dtype)))
@@ -76,8 +89,12 @@ def main() -> None:
     results = []
     for method, length in cases:
         print(f"{method} at {length} tokens ...", file=sys.stderr, flush=True)
-        child = subprocess.run([sys.executable, __file__, "--case", method, str(length), "--dtype", args.dtype],
-                               check=True, capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--case", method, str(length), "--dtype", args.dtype],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(f"  {results[-1]['seconds']:.0f} s, peak RSS {results[-1]['peak_rss_mib']:.0f} MiB", file=sys.stderr, flush=True)
 
@@ -85,18 +102,38 @@ def main() -> None:
 
     local = {r["length"]: r for r in results if r["method"] == "sink_window"}
     shortest, longest = local[min(local)], local[max(local)]
-    report = {"chunk_size": CHUNK, "dtype": args.dtype, "cases": results,
-              "time_ratio": longest["seconds"] / shortest["seconds"],
-              "rss_ratio": longest["peak_rss_mib"] / shortest["peak_rss_mib"],
-              "lengths_ratio": longest["length"] / shortest["length"]}
+    report = {
+        "chunk_size": CHUNK,
+        "dtype": args.dtype,
+        "cases": results,
+        "time_ratio": longest["seconds"] / shortest["seconds"],
+        "rss_ratio": longest["peak_rss_mib"] / shortest["peak_rss_mib"],
+        "lengths_ratio": longest["length"] / shortest["length"],
+    }
     buckets = list(longest["ppl_by_bucket"])
-    print(f"\nSmolLM2-135M, gutenberg-joined, chunked_nll with {CHUNK}-token chunks, {args.dtype}, "
-          f"{results[0]['threads']} threads")
-    print(markdown_table(["method", "tokens", "s", "peak RSS MiB", "PPL", *buckets],
-                         [[r["method"], r["length"], r["seconds"], r["peak_rss_mib"], r["ppl"],
-                           *[r["ppl_by_bucket"].get(b) for b in buckets]] for r in results]))
-    print(f"sink_window {longest['length']} vs {shortest['length']} tokens ({report['lengths_ratio']:g}x): "
-          f"time x{report['time_ratio']:.2f}, peak RSS x{report['rss_ratio']:.3f}")
+    print(
+        f"\nSmolLM2-135M, gutenberg-joined, chunked_nll with {CHUNK}-token chunks, {args.dtype}, {results[0]['threads']} threads"
+    )
+    print(
+        markdown_table(
+            ["method", "tokens", "s", "peak RSS MiB", "PPL", *buckets],
+            [
+                [
+                    r["method"],
+                    r["length"],
+                    r["seconds"],
+                    r["peak_rss_mib"],
+                    r["ppl"],
+                    *[r["ppl_by_bucket"].get(b) for b in buckets],
+                ]
+                for r in results
+            ],
+        )
+    )
+    print(
+        f"sink_window {longest['length']} vs {shortest['length']} tokens ({report['lengths_ratio']:g}x): "
+        f"time x{report['time_ratio']:.2f}, peak RSS x{report['rss_ratio']:.3f}"
+    )
     write_measurement(args.out, report)
 
 

@@ -90,14 +90,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-context", type=int, default=2048)
     parser.add_argument("--decode-steps", type=int, default=16, help="steps per timed decode block")
-    parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path(f"rope-ext-results/bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    )
     args = parser.parse_args()
 
     model, tokenizer = load_smollm2()
     window = model.config.max_position_embeddings
     ids = tokenizer(gutenberg_text(), return_tensors="pt").input_ids[:, : max(args.length, args.decode_context + 1)]
-    results: dict = {"torch_threads": torch.get_num_threads(), "length": args.length, "forward": {}, "decode": {},
-                     "provenance": provenance(model, None)}
+    results: dict = {
+        "torch_threads": torch.get_num_threads(),
+        "length": args.length,
+        "forward": {},
+        "decode": {},
+        "provenance": provenance(model, None),
+    }
 
     pairs = {
         "linear": (patched_variant(model, "linear"), native_variant(model, {"rope_type": "linear", "factor": FACTOR}, window)),
@@ -107,12 +114,23 @@ def main() -> None:
         ),
         "yarn": (
             patched_variant(model, "yarn"),
-            native_variant(model, {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": window}, int(FACTOR * window)),
+            native_variant(
+                model, {"rope_type": "yarn", "factor": FACTOR, "original_max_position_embeddings": window}, int(FACTOR * window)
+            ),
         ),
         "llama3": (
             patched_variant(model, "llama3"),
-            native_variant(model, {"rope_type": "llama3", "factor": FACTOR, "original_max_position_embeddings": window,
-                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0}, int(FACTOR * window)),
+            native_variant(
+                model,
+                {
+                    "rope_type": "llama3",
+                    "factor": FACTOR,
+                    "original_max_position_embeddings": window,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                },
+                int(FACTOR * window),
+            ),
         ),
     }
     x = ids[:, : args.length]
@@ -124,8 +142,10 @@ def main() -> None:
     for name, (ours, theirs) in times.items():
         patched, native = pairs[name]
         results["forward"][name] = {
-            "rope_ext_s": ours, "native_s": theirs,
-            "ratio": min(ours) / min(theirs), "median_ratio": statistics.median(ours) / statistics.median(theirs),
+            "rope_ext_s": ours,
+            "native_s": theirs,
+            "ratio": min(ours) / min(theirs),
+            "median_ratio": statistics.median(ours) / statistics.median(theirs),
             "rotary_ms": {"rope_ext": rotary_ms(patched, args.length), "native": rotary_ms(native, args.length)},
         }
 
@@ -145,15 +165,21 @@ def main() -> None:
     results["decode"] = {name: args.decode_steps / min(b) for name, b in blocks.items()}
 
     print(f"\nForward at {args.length} tokens, fastest of {args.repeats} (torch threads: {results['torch_threads']})")
-    print("| method | rope-ext s | transformers s | ratio | ratio of medians | rotary module ms, rope-ext / transformers |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        "| method | rope-ext s | transformers s | ratio | ratio of medians | rotary module ms, rope-ext / transformers |\n"
+        "|---|---|---|---|---|---|"
+    )
     for name, row in results["forward"].items():
         rot = row["rotary_ms"]
-        print(f"| {name} | {min(row['rope_ext_s']):.2f} | {min(row['native_s']):.2f} | {row['ratio']:.3f} | "
-              f"{row['median_ratio']:.3f} | {rot['rope_ext']:.2f} / {rot['native']:.2f} |")
+        print(
+            f"| {name} | {min(row['rope_ext_s']):.2f} | {min(row['native_s']):.2f} | {row['ratio']:.3f} | "
+            f"{row['median_ratio']:.3f} | {rot['rope_ext']:.2f} / {rot['native']:.2f} |"
+        )
     plain = results["decode"]["plain RoPE"]
-    print(f"\nGreedy decode after a {args.decode_context}-token prefill, window {small}: fastest of {args.repeats} "
-          f"interleaved blocks of {args.decode_steps} steps")
+    print(
+        f"\nGreedy decode after a {args.decode_context}-token prefill, window {small}: fastest of {args.repeats} "
+        f"interleaved blocks of {args.decode_steps} steps"
+    )
     print("| variant | tokens/s | vs plain |\n|---|---|---|")
     for name, rate in results["decode"].items():
         print(f"| {name} | {rate:.2f} | {rate / plain:.2f} |")

@@ -72,8 +72,12 @@ def markdown(report: dict) -> str:
     pk_lengths = setup["passkey"]["lengths"] if pk else []
     ruler = setup["ruler"]
     ruler_lengths = ruler["lengths"] if ruler else []
-    header = (["method", "factor"] + [f"PPL @{n}" for n in lengths] + [f"passkey @{n}" for n in pk_lengths]
-              + [f"{ruler['task']} @{n}" for n in ruler_lengths])
+    header = (
+        ["method", "factor"]
+        + [f"PPL @{n}" for n in lengths]
+        + [f"passkey @{n}" for n in pk_lengths]
+        + [f"{ruler['task']} @{n}" for n in ruler_lengths]
+    )
     rows = []
     for m in rows_in:
         row = [m["label"], "-" if m["factor"] is None else f"{m['factor']:g}"]
@@ -83,26 +87,36 @@ def markdown(report: dict) -> str:
         if ruler:
             row += [m["ruler"]["by_length"][n] for n in ruler_lengths]
         rows.append(row)
-    text = (f"# rope-ext compare: {setup['model']}\n\n"
-            f"Original window {setup['original_window']} tokens. PPL: token-weighted, data {setup['data']} "
-            f"({setup['documents']} document(s)), " + ("first L tokens of each document" if setup["stride"] is None
-                                                       else f"stride {setup['stride']}") + ".")
+    text = (
+        f"# rope-ext compare: {setup['model']}\n\n"
+        f"Original window {setup['original_window']} tokens. PPL: token-weighted, data {setup['data']} "
+        f"({setup['documents']} document(s)), "
+        + ("first L tokens of each document" if setup["stride"] is None else f"stride {setup['stride']}")
+        + "."
+    )
     if pk:
-        text += (f" Passkey: accuracy over depths {setup['passkey']['depths']} x {setup['passkey']['trials']} trial(s), "
-                 f"greedy {setup['passkey']['max_new_tokens']} tokens.")
+        text += (
+            f" Passkey: accuracy over depths {setup['passkey']['depths']} x {setup['passkey']['trials']} trial(s), "
+            f"greedy {setup['passkey']['max_new_tokens']} tokens."
+        )
     if ruler:
         counts = sorted(set(ruler["samples"].values()))
-        text += (f" {ruler['task']}: lm-eval's RULER task, share of the needles the answer holds, over "
-                 f"{'/'.join(map(str, counts))} sample(s) per length.")
+        text += (
+            f" {ruler['task']}: lm-eval's RULER task, share of the needles the answer holds, over "
+            f"{'/'.join(map(str, counts))} sample(s) per length."
+        )
     text += "\n\n" + output.markdown_table(header, rows)
     longest = str(lengths[-1])
     buckets = [(b["start"], b["end"]) for b in rows_in[0]["ppl"][longest]["buckets"]] if rows_in else []
     if buckets:
         best = {span: min(bucket_ppl(m, longest)[span] for m in rows_in) for span in buckets}
-        table = [[m["label"]] + [f"**{p:.2f}**" if p == best[span] else f"{p:.2f}"
-                                 for span, p in bucket_ppl(m, longest).items()] for m in rows_in]
-        text += (f"\n\nPPL at length {longest} by position of the scored token (lowest in bold):\n\n"
-                 + output.markdown_table(["method"] + [f"{a}-{b}" for a, b in buckets], table))
+        table = [
+            [m["label"]] + [f"**{p:.2f}**" if p == best[span] else f"{p:.2f}" for span, p in bucket_ppl(m, longest).items()]
+            for m in rows_in
+        ]
+        text += f"\n\nPPL at length {longest} by position of the scored token (lowest in bold):\n\n" + output.markdown_table(
+            ["method"] + [f"{a}-{b}" for a, b in buckets], table
+        )
     return text
 
 
@@ -124,8 +138,9 @@ def check_ruler(args: argparse.Namespace) -> None:
                 raise ValueError(f"{option} needs --ruler-samples K (the samples per method and length)")
         return
     if not 1 <= args.ruler_samples <= RULER_SAMPLES:
-        raise ValueError(f"--ruler-samples {args.ruler_samples}: RULER builds {RULER_SAMPLES} samples per length; "
-                         f"choose 1 to {RULER_SAMPLES}")
+        raise ValueError(
+            f"--ruler-samples {args.ruler_samples}: RULER builds {RULER_SAMPLES} samples per length; choose 1 to {RULER_SAMPLES}"
+        )
     if any(n < 1 for n in args.ruler_lengths or []):
         raise ValueError(f"--ruler-lengths must be positive, got {args.ruler_lengths}")
     if importlib.util.find_spec("wonderwords") is None:
@@ -165,8 +180,14 @@ class Ruler:
         from .lm_eval_model import RopeExtLM
 
         name = self.task.task_name
-        out = lm_eval.simple_evaluate(model=RopeExtLM(**model_args), tasks=[self.task], task_manager=self.manager,
-                                      samples={name: self.indices}, log_samples=False, bootstrap_iters=0)
+        out = lm_eval.simple_evaluate(
+            model=RopeExtLM(**model_args),
+            tasks=[self.task],
+            task_manager=self.manager,
+            samples={name: self.indices},
+            log_samples=False,
+            bootstrap_iters=0,
+        )
         return {n: out["results"][name][f"{n},none"] for n in self.lengths}
 
 
@@ -204,42 +225,89 @@ def run(args: argparse.Namespace, plan) -> int:
     if not args.no_passkey:
         shortest = passkey.minimum_length(tokenizer)
         if passkey_lengths[0] < shortest:
-            raise ValueError(f"length {passkey_lengths[0]} is too small for the passkey prompt ({shortest} tokens); "
-                             "raise --lengths / --passkey-lengths or pass --no-passkey")
+            raise ValueError(
+                f"length {passkey_lengths[0]} is too small for the passkey prompt ({shortest} tokens); "
+                "raise --lengths / --passkey-lengths or pass --no-passkey"
+            )
     ruler = None
     if args.ruler_samples is not None:
         ruler = Ruler(args.ruler_task or RULER_TASK, sorted(set(args.ruler_lengths or lengths)), args.ruler_samples, args.model)
 
-    report = {"setup": {
-        "model": loading.model_label(model), "original_window": window, "lengths": lengths,
-        "factor": factor, "data": args.data, "documents": len(documents),
-        "document_tokens": [len(d) for d in documents], "stride": args.stride, "bos": bos,
-        "passkey": None if args.no_passkey else {"lengths": passkey_lengths, "depths": args.passkey_depths, "trials": args.passkey_trials,
-                                                 "seed": args.seed or 0, "max_new_tokens": args.max_new_tokens},
-        "ruler": None if ruler is None else ruler.setup(),
-    }, "methods": [], "provenance": output.provenance(model, args.model)}
+    report = {
+        "setup": {
+            "model": loading.model_label(model),
+            "original_window": window,
+            "lengths": lengths,
+            "factor": factor,
+            "data": args.data,
+            "documents": len(documents),
+            "document_tokens": [len(d) for d in documents],
+            "stride": args.stride,
+            "bos": bos,
+            "passkey": None
+            if args.no_passkey
+            else {
+                "lengths": passkey_lengths,
+                "depths": args.passkey_depths,
+                "trials": args.passkey_trials,
+                "seed": args.seed or 0,
+                "max_new_tokens": args.max_new_tokens,
+            },
+            "ruler": None if ruler is None else ruler.setup(),
+        },
+        "methods": [],
+        "provenance": output.provenance(model, args.model),
+    }
     for label, method, params in runs:
         print(f"rope-ext compare: {label}", file=sys.stderr)
         started = time.perf_counter()
         info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, params)
         loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
-        ppl = perplexity.evaluate(model, documents, lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                                  truncate=args.stride is None, bucket=args.bucket, chunk_size=args.chunk_size,
-                                  progress=not args.no_progress)
-        result = {"label": label, "method": method, "params": params, "factor": None if info is None else info.factor,
-                  "patch": None if info is None else info.to_dict(), "ppl": {str(n): r for n, r in ppl.items()}}
+        ppl = perplexity.evaluate(
+            model,
+            documents,
+            lengths,
+            stride=args.stride,
+            bos=bos,
+            bos_id=bos_id,
+            truncate=args.stride is None,
+            bucket=args.bucket,
+            chunk_size=args.chunk_size,
+            progress=not args.no_progress,
+        )
+        result = {
+            "label": label,
+            "method": method,
+            "params": params,
+            "factor": None if info is None else info.factor,
+            "patch": None if info is None else info.to_dict(),
+            "ppl": {str(n): r for n, r in ppl.items()},
+        }
         if not args.no_passkey:
             answer = passkey.model_answerer(model, tokenizer, args.max_new_tokens, chunk_size=args.chunk_size)
-            result["passkey"] = passkey.run_trials(answer, tokenizer, passkey_lengths, args.passkey_depths,
-                                                   args.passkey_trials, args.seed or 0, progress=not args.no_progress)
+            result["passkey"] = passkey.run_trials(
+                answer,
+                tokenizer,
+                passkey_lengths,
+                args.passkey_depths,
+                args.passkey_trials,
+                args.seed or 0,
+                progress=not args.no_progress,
+            )
         if ruler is not None:
             # the same model as the columns before, loaded again by the rope_ext model type: the
             # scores are what `rope-ext lm-eval --model rope_ext` reports for this spec. max_length
             # covers the longest prompt, so lm-eval truncates none, past the window too.
-            model_args = {"pretrained": args.model, "method": method, "factor": None if method == loading.PLAIN else factor,
-                          **params, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                          "device": loading.resolve_device(args.device),
-                          "attn_implementation": args.attn_implementation, "max_length": ruler.lengths[-1]}
+            model_args = {
+                "pretrained": args.model,
+                "method": method,
+                "factor": None if method == loading.PLAIN else factor,
+                **params,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "device": loading.resolve_device(args.device),
+                "attn_implementation": args.attn_implementation,
+                "max_length": ruler.lengths[-1],
+            }
             result["ruler"] = {"by_length": ruler.scores(model_args)}
         result["seconds"] = round(time.perf_counter() - started, 1)
         report["methods"].append(result)

@@ -94,14 +94,12 @@ def _dataset_texts(name: str, split: str, field: str) -> Iterator[tuple[str, str
         ) from None
     if field not in data.column_names:
         raise ValueError(f"dataset {name!r} has no field {field!r}; fields: {', '.join(data.column_names)}")
-    return ((f"{name}:{index}", _text_of(record, field, f"dataset {name!r} record {index}"))
-            for index, record in enumerate(data))
+    return ((f"{name}:{index}", _text_of(record, field, f"dataset {name!r} record {index}")) for index, record in enumerate(data))
 
 
 def _looks_like_path(source: str) -> bool:
     """A hub id is `name` or `owner/name`; anything else path-shaped is a missing local path."""
-    return (source.startswith(("/", ".", "~")) or source.count("/") > 1
-            or Path(source).suffix in (*TEXT_SUFFIXES, ".jsonl"))
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).suffix in (*TEXT_SUFFIXES, ".jsonl")
 
 
 def iter_texts(source: str = GUTENBERG, split: str = "test", field: str = "text") -> Iterator[tuple[str, str]]:
@@ -127,8 +125,9 @@ def check_selection(min_tokens, limit, seed) -> None:
             raise ValueError(f"{flag} must be an integer >= {minimum}, got {value!r}")
 
 
-def tokenize_documents(tokenizer, texts, *, min_tokens: int = 0, limit: int | None = None,
-                       seed: int | None = None, progress: bool = False) -> list[Document]:
+def tokenize_documents(
+    tokenizer, texts, *, min_tokens: int = 0, limit: int | None = None, seed: int | None = None, progress: bool = False
+) -> list[Document]:
     """Token streams (no special tokens) of the texts with at least `min_tokens` tokens; at most
     `limit` of them, the first ones or, with `seed`, a seeded random choice. Raises ValueError
     when nothing is left."""
@@ -167,5 +166,11 @@ def texts_from_args(args) -> Iterator[tuple[str, str]]:
 
 def documents_from_args(args, texts, tokenizer) -> list[Document]:
     """The documents of `texts` (texts_from_args) as the data arguments select them."""
-    return tokenize_documents(tokenizer, texts, min_tokens=args.min_tokens, limit=args.limit, seed=args.seed,
-                              progress=not getattr(args, "no_progress", False))
+    return tokenize_documents(
+        tokenizer,
+        texts,
+        min_tokens=args.min_tokens,
+        limit=args.limit,
+        seed=args.seed,
+        progress=not getattr(args, "no_progress", False),
+    )

@@ -74,17 +74,26 @@ def unknown_key(err: TypeError, method: str | None) -> ModelArgsError | None:
     ours = "method, factor, original_window, max_length"
     if method not in (None, loading.PLAIN):
         ours += f", and {method}'s {', '.join(sorted(method_parameter_names(method))) or 'none'}"
-    return ModelArgsError(f"model_args key {found.group(1)!r} is not an argument of the rope_ext model type ({ours}), "
-                          "of lm-eval's hf type or of transformers' from_pretrained")
+    return ModelArgsError(
+        f"model_args key {found.group(1)!r} is not an argument of the rope_ext model type ({ours}), "
+        "of lm-eval's hf type or of transformers' from_pretrained"
+    )
 
 
 @register_model("rope_ext")
 class RopeExtLM(HFLM):
     """lm-eval's HF causal LM with a rope-ext patch applied after loading."""
 
-    def __init__(self, pretrained=loading.DEFAULT_MODEL, method: str | None = None, factor: float | None = None,
-                 original_window: int | None = None, max_length: int | None = None, device: str | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        pretrained=loading.DEFAULT_MODEL,
+        method: str | None = None,
+        factor: float | None = None,
+        original_window: int | None = None,
+        max_length: int | None = None,
+        device: str | None = None,
+        **kwargs,
+    ):
         method = method or None
         names = method_parameter_names(method) if method in rope_ext.methods() else set()
         params = {k: kwargs.pop(k) for k in list(kwargs) if k in names}

@@ -79,8 +79,9 @@ def passkey_dataset(**metadata) -> dict:
     for length, depth, trial in passkey_mod.grid(lengths, depths, trials):
         key = passkey_mod.trial_key(seed, length, depth, trial)
         prompt = passkey_mod.build_prompt(tokenizer, length - ANSWER_TOKENS, depth, key)
-        docs.append({"prompt": prompt.text, "key": str(key), "length": length, "depth": depth, "trial": trial,
-                     "lengths": lengths})
+        docs.append(
+            {"prompt": prompt.text, "key": str(key), "length": length, "depth": depth, "trial": trial, "lengths": lengths}
+        )
     return {"test": datasets.Dataset.from_list(docs)}
 
 
@@ -115,8 +116,11 @@ def longppl_dataset(**metadata) -> dict:
         if unknown:
             raise ValueError(f"rope_ext_longppl: unknown Gutenberg play(s) {unknown}; choose from {', '.join(plays)}")
         texts = [(w, plays[w]) for w in wanted]
-    docs = [{"name": name, "text": text, "tokens": len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])}
-            for name, text in texts if text.strip()]
+    docs = [
+        {"name": name, "text": text, "tokens": len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])}
+        for name, text in texts
+        if text.strip()
+    ]
     if not docs:
         raise ValueError("rope_ext_longppl: the data holds no non-empty document")
     return {"test": datasets.Dataset.from_list(docs)}

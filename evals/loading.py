@@ -16,7 +16,6 @@ from rope_ext.patching import installed_patch
 from rope_ext.record import Patch
 
 
-
 def parse_value(text: str):
     """'4' -> 4, '0.5' -> 0.5, 'true' -> True, 'none' -> None, anything else stays a string."""
     lowered = text.strip().lower()
@@ -62,7 +61,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if device.startswith("cuda"):
         native = torch.cuda.is_bf16_supported()
     else:
-        native = any(getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+        native = any(
+            getattr(torch.cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        )
     return "bfloat16" if native else "float32"
 
 
@@ -85,8 +86,9 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
         check_model(name, device)
         local = Path(name).expanduser()
         try:
-            model = rope_ext.from_pretrained(str(local) if local.exists() else name, dtype=torch_dtype,
-                                             attn_implementation=attn_implementation)
+            model = rope_ext.from_pretrained(
+                str(local) if local.exists() else name, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
             tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else name)
         except OSError as err:
             raise FileNotFoundError(
@@ -95,8 +97,9 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
     return model.to(device).eval(), tokenizer
 
 
-def apply_method(model, method: str = PLAIN, factor: float | None = None, params: dict | None = None,
-                 original_window: int | None = None):
+def apply_method(
+    model, method: str = PLAIN, factor: float | None = None, params: dict | None = None, original_window: int | None = None
+):
     """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo;
     `plain` removes any patch and returns None; None leaves the model as loaded (a checkpoint
     saved patched keeps its patch: describe_setup records it) and returns None."""
@@ -114,13 +117,16 @@ def apply_method(model, method: str = PLAIN, factor: float | None = None, params
     return rope_ext.patch(model, method, factor=factor, **extra, **params)
 
 
-def check_method(method: str | None, factor: float | None, params: dict | None = None, original_window: int | None = None) -> None:
+def check_method(
+    method: str | None, factor: float | None, params: dict | None = None, original_window: int | None = None
+) -> None:
     """The checks of a method spec that need no model: the name, the factor and the parameters."""
     params = params or {}
     if method is None:
         if params or factor is not None or original_window is not None:
-            raise ValueError("--factor, --param and --original-window need --method (without it the model is "
-                             "evaluated as loaded)")
+            raise ValueError(
+                "--factor, --param and --original-window need --method (without it the model is evaluated as loaded)"
+            )
         return
     if method == PLAIN:
         if params or factor is not None:

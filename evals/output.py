@@ -15,7 +15,6 @@ from pathlib import Path
 from rope_ext.arguments import DEFAULT_ROOT
 
 
-
 class ResultFolder:
     """The files one run writes. `claim()` fails early when any of them exists; the folder is
     created by the first write, so a run that fails before it leaves nothing behind."""
@@ -137,9 +136,11 @@ def provenance(model, model_as_given: str | None) -> dict:
 
 def provenance_line(record: dict) -> str:
     """The one line a markdown results file gives its provenance."""
-    return (f"Provenance: rope-ext {record['rope_ext']}, transformers {record['transformers']}, torch {record['torch']}; "
-            f"{record['device']}, {record['dtype']}, {record['threads']} thread(s); {record['date']}; "
-            f"model {record['model']} (config sha256 {record['config_sha256']}).\n")
+    return (
+        f"Provenance: rope-ext {record['rope_ext']}, transformers {record['transformers']}, torch {record['torch']}; "
+        f"{record['device']}, {record['dtype']}, {record['threads']} thread(s); {record['date']}; "
+        f"model {record['model']} (config sha256 {record['config_sha256']}).\n"
+    )
 
 
 def write_measurement(path: Path, results: dict) -> None:

@@ -32,8 +32,10 @@ from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new
 
 from . import loading, output, retrieval
 
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-        "I will quiz you about the important information there.")
+TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
@@ -69,9 +71,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: int) -> Prompt:
 
     bare = len(encode(0))
     if bare > length:
-        raise ValueError(
-            f"passkey length {length} is too small: the prompt without any filler already has {bare} tokens"
-        )
+        raise ValueError(f"passkey length {length} is too small: the prompt without any filler already has {bare} tokens")
     low, high = 0, length  # every filler sentence has at least one token
     while low < high:  # largest sentence count that still fits
         mid = (low + high + 1) // 2
@@ -112,8 +112,9 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int |
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id
+    )
     device = model.get_output_embeddings().weight.device
     kept = {}  # share_prefix: {requested length: (ids[:-1] of its first prompt, their cache)}
     if share_prefix:
@@ -146,7 +147,7 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int |
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         else:
             out = chunked_generate(model, ids, chunk_size, attention_mask=mask, generation_config=config)
-        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
     return answer
 
@@ -159,8 +160,18 @@ def grid(lengths, depths, trials: int, limit: int | None = None) -> list[tuple[i
     return cells if limit is None else cells[:limit]
 
 
-def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 5, seed: int = 0,
-               limit: int | None = None, progress: bool = True, on_trial=None, answered=()) -> dict:
+def run_trials(
+    answer,
+    tokenizer,
+    lengths,
+    depths=DEFAULT_DEPTHS,
+    trials: int = 5,
+    seed: int = 0,
+    limit: int | None = None,
+    progress: bool = True,
+    on_trial=None,
+    answered=(),
+) -> dict:
     """Run the grid; returns {"trials": [...], "accuracy": {length: {depth: acc}},
     "by_length": {length: acc}, "accuracy_overall": acc}. `on_trial(result)`, if given, receives
     the same summary of the trials answered so far after each one. `answered`: trial records of an
@@ -182,9 +193,16 @@ def run_trials(answer, tokenizer, lengths, depths=DEFAULT_DEPTHS, trials: int = 
         prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, trial))
         text = answer(prompt)
         predicted = first_integer(text)
-        records[length, depth, trial] = {"length": length, "depth": depth, "trial": trial, "key": prompt.key,
-                                         "prompt_tokens": len(prompt.ids), "answer": text, "predicted": predicted,
-                                         "correct": predicted == prompt.key}
+        records[length, depth, trial] = {
+            "length": length,
+            "depth": depth,
+            "trial": trial,
+            "key": prompt.key,
+            "prompt_tokens": len(prompt.ids),
+            "answer": text,
+            "predicted": predicted,
+            "correct": predicted == prompt.key,
+        }
         if on_trial is not None:
             on_trial(summarize([records[cell] for cell in cells if cell in records]))
     return summarize([records[cell] for cell in cells])
@@ -229,15 +247,23 @@ def markdown(result: dict, setup: dict) -> str:
         cells = [f"{c['correct']}/{c['total']}", "{:.2f}-{:.2f}".format(*c["interval"])]
         return cells + ([result["retained"][n]] if base else [])
 
-    rows = [[n] + [result["accuracy"][n].get(d) for d in depths] + [result["by_length"][n]] + summary(n) for n in result["accuracy"]]
-    head = (f"# Passkey retrieval: {setup['model']} ({setup['method']}"
-            + (f" x{setup['factor']:g}" if setup.get("factor") else "") + ")\n\n"
-            f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell, seed {setup['seed']}; "
-            f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy; "
-            "95% Wilson interval of each length's accuracy.")
+    rows = [
+        [n] + [result["accuracy"][n].get(d) for d in depths] + [result["by_length"][n]] + summary(n) for n in result["accuracy"]
+    ]
+    head = (
+        f"# Passkey retrieval: {setup['model']} ({setup['method']}"
+        + (f" x{setup['factor']:g}" if setup.get("factor") else "")
+        + ")\n\n"
+        f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell, seed {setup['seed']}; "
+        f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy; "
+        "95% Wilson interval of each length's accuracy."
+    )
     if base:
-        head += (f" Retained: accuracy / the unpatched model's {base['correct']}/{base['total']} (95% "
-                 + "{:.2f}-{:.2f}".format(*base["interval"]) + f") at its {base['length']}-token window ({base['path']}).")
+        head += (
+            f" Retained: accuracy / the unpatched model's {base['correct']}/{base['total']} (95% "
+            + "{:.2f}-{:.2f}".format(*base["interval"])
+            + f") at its {base['length']}-token window ({base['path']})."
+        )
     columns = ["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths", "correct", "95% interval"]
     return head + "\n\n" + output.markdown_table(columns + (["retained"] if base else []), rows)
 
@@ -293,8 +319,10 @@ def same_setup(stopped: dict, setup: dict) -> None:
     ours = output.clean_json(setup)
     differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
     if differ:
-        raise ValueError(f"--resume: the stopped run had another setup ({', '.join(differ)} differ); "
-                         "run it with the same model, method, parameters and grid options")
+        raise ValueError(
+            f"--resume: the stopped run had another setup ({', '.join(differ)} differ); "
+            "run it with the same model, method, parameters and grid options"
+        )
 
 
 def run(args: argparse.Namespace, plan) -> int:
@@ -308,8 +336,14 @@ def run(args: argparse.Namespace, plan) -> int:
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
     record = output.provenance(model, args.model)
-    setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "trials": args.trials, "seed": args.seed,
-             "limit": args.limit, "max_new_tokens": args.max_new_tokens, "share_prefix": args.share_prefix}
+    setup = {
+        **loading.describe_setup(model, info, args.method, params, args.chunk_size),
+        "trials": args.trials,
+        "seed": args.seed,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "share_prefix": args.share_prefix,
+    }
     earlier = 0.0
     if stopped is not None:
         same_setup(stopped, setup)
@@ -322,9 +356,18 @@ def run(args: argparse.Namespace, plan) -> int:
         seconds = round(time.perf_counter() - started, 2)
         partial.write_json(PARTIAL, {"setup": {**setup, "seconds": seconds}, **so_far, "provenance": record})
 
-    result = run_trials(model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix), tokenizer, lengths, args.depths,
-                        args.trials, args.seed, args.limit, progress=not args.no_progress, on_trial=keep,
-                        answered=stopped["trials"] if stopped else ())
+    result = run_trials(
+        model_answerer(model, tokenizer, args.max_new_tokens, args.chunk_size, args.share_prefix),
+        tokenizer,
+        lengths,
+        args.depths,
+        args.trials,
+        args.seed,
+        args.limit,
+        progress=not args.no_progress,
+        on_trial=keep,
+        answered=stopped["trials"] if stopped else (),
+    )
     setup["seconds"] = round(time.perf_counter() - started, 2)
     if baseline is not None:
         result = {**result, "baseline": baseline, "retained": retrieval.retained(result["by_length"], baseline)}

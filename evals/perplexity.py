@@ -96,9 +96,11 @@ class TokenScorer:
         moves during one long forward."""
         layers = list(getattr(self.decoder, "layers", ())) if advance is not None else []
         shares = [len(ids) * (k + 1) // len(layers) - len(ids) * k // len(layers) for k in range(len(layers))]
+
         def after_layer(n):
             def hook(module, args, output) -> None:  # a hook that returns a value replaces the layer's output
                 advance(n)
+
             return hook
 
         hooks = [layer.register_forward_hook(after_layer(n)) for layer, n in zip(layers, shares)]
@@ -161,8 +163,12 @@ class LengthStats:
 
     def summary(self) -> dict:
         buckets = [
-            {"start": b * self.bucket, "end": (b + 1) * self.bucket, "tokens": self.bucket_tokens[b],
-             "ppl": math.exp(self.bucket_nll[b] / self.bucket_tokens[b])}
+            {
+                "start": b * self.bucket,
+                "end": (b + 1) * self.bucket,
+                "tokens": self.bucket_tokens[b],
+                "ppl": math.exp(self.bucket_nll[b] / self.bucket_tokens[b]),
+            }
             for b in sorted(self.bucket_tokens)
         ]
         return {
@@ -190,9 +196,20 @@ def bos_token(tokenizer, bos: bool | None) -> tuple[bool, int | None]:
 
 
 @torch.inference_mode()
-def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool = False, bos_id: int | None = None,
-             truncate: bool = False, bucket: int | None = None, share: bool | None = None, chunk_size: int | None = None,
-             progress: bool = True) -> dict:
+def evaluate(
+    model,
+    documents,
+    lengths,
+    *,
+    stride: int | None = None,
+    bos: bool = False,
+    bos_id: int | None = None,
+    truncate: bool = False,
+    bucket: int | None = None,
+    share: bool | None = None,
+    chunk_size: int | None = None,
+    progress: bool = True,
+) -> dict:
     """{length: summary dict} (see LengthStats.summary) for each window length.
 
     stride: tokens between window starts (default: the length itself, non-overlapping windows).
@@ -251,8 +268,9 @@ def evaluate(model, documents, lengths, *, stride: int | None = None, bos: bool 
 
 
 @torch.inference_mode()
-def reforward_perplexity(model, documents, length: int, stride: int, *, bos: bool = False, bos_id: int | None = None,
-                         progress: bool = True) -> dict:
+def reforward_perplexity(
+    model, documents, length: int, stride: int, *, bos: bool = False, bos_id: int | None = None, progress: bool = True
+) -> dict:
     """The protocol of YaRN's eval/perplexity.py as written: per window, a full forward with
     `labels` (earlier-scored tokens set to -100) and the model's own loss. The reference that
     `evaluate` must agree with, and the baseline bench/eval_speed.py times."""
@@ -289,14 +307,20 @@ def reforward_perplexity(model, documents, length: int, stride: int, *, bos: boo
 def markdown(results: dict, setup: dict) -> str:
     """The per-length table and the per-bucket table."""
     lengths = sorted(results)
-    lines = [f"# Perplexity: {setup['model']} ({setup['method']}"
-             + (f" x{setup['factor']:g}" if setup.get("factor") else "") + ")\n",
-             f"Data: {setup['data']}; stride: {setup['stride'] or 'the length'}; BOS per window: {setup['bos']}; "
-             f"truncate: {setup['truncate']}; model capacity: {setup['capacity']} positions ({setup['capacity_note']}).\n"]
-    rows = [[n, results[n]["documents"], results[n]["windows"], results[n]["tokens"], results[n]["ppl"], results[n]["yarn_ppl"]]
-            for n in lengths]
-    lines.append(output.markdown_table(["length", "documents", "windows", "scored tokens", "PPL (token-weighted)",
-                                        "PPL (YaRN: mean of window losses)"], rows))
+    lines = [
+        f"# Perplexity: {setup['model']} ({setup['method']}" + (f" x{setup['factor']:g}" if setup.get("factor") else "") + ")\n",
+        f"Data: {setup['data']}; stride: {setup['stride'] or 'the length'}; BOS per window: {setup['bos']}; "
+        f"truncate: {setup['truncate']}; model capacity: {setup['capacity']} positions ({setup['capacity_note']}).\n",
+    ]
+    rows = [
+        [n, results[n]["documents"], results[n]["windows"], results[n]["tokens"], results[n]["ppl"], results[n]["yarn_ppl"]]
+        for n in lengths
+    ]
+    lines.append(
+        output.markdown_table(
+            ["length", "documents", "windows", "scored tokens", "PPL (token-weighted)", "PPL (YaRN: mean of window losses)"], rows
+        )
+    )
     starts = sorted({b["start"] for n in lengths for b in results[n]["buckets"]})
     if starts:
         width = results[lengths[0]]["buckets"][0]["end"] - results[lengths[0]]["buckets"][0]["start"]
@@ -317,8 +341,10 @@ def check_windows(lengths: list[int] | None, stride: int | None, bucket: int | N
         raise ValueError(f"--lengths must be >= 2 tokens, got {lengths}")
     longest_stride = min(lengths) if lengths else None
     if stride is not None and (stride < 1 or longest_stride is not None and stride > longest_stride):
-        raise ValueError(f"--stride must be between 1 and the shortest length {longest_stride or 'of --lengths'} "
-                         f"(a larger one skips tokens), got {stride}")
+        raise ValueError(
+            f"--stride must be between 1 and the shortest length {longest_stride or 'of --lengths'} "
+            f"(a larger one skips tokens), got {stride}"
+        )
     if bucket is not None and bucket < 1:
         raise ValueError(f"--bucket must be >= 1 token, got {bucket}")
 
@@ -341,23 +367,49 @@ def run(args: argparse.Namespace, plan) -> int:
     longest_doc = max(len(d) for d in documents)
     for n in args.lengths:
         if n > longest_doc:
-            print(f"rope-ext: no document reaches {n} tokens (longest: {longest_doc}); "
-                  f"the PPL at {n} covers shorter contexts only (see max_positions)", file=sys.stderr)
+            print(
+                f"rope-ext: no document reaches {n} tokens (longest: {longest_doc}); "
+                f"the PPL at {n} covers shorter contexts only (see max_positions)",
+                file=sys.stderr,
+            )
     record = output.provenance(model, args.model)
     started = time.perf_counter()
-    results = evaluate(model, documents, args.lengths, stride=args.stride, bos=bos, bos_id=bos_id,
-                       truncate=args.truncate, bucket=args.bucket, chunk_size=args.chunk_size, progress=not args.no_progress)
-    setup = {**loading.describe_setup(model, info, args.method, params, args.chunk_size), "data": args.data, "documents": len(documents),
-             "document_tokens": sum(len(d) for d in documents), "stride": args.stride, "bos": bos,
-             "truncate": args.truncate, "seconds": round(time.perf_counter() - started, 2)}
+    results = evaluate(
+        model,
+        documents,
+        args.lengths,
+        stride=args.stride,
+        bos=bos,
+        bos_id=bos_id,
+        truncate=args.truncate,
+        bucket=args.bucket,
+        chunk_size=args.chunk_size,
+        progress=not args.no_progress,
+    )
+    setup = {
+        **loading.describe_setup(model, info, args.method, params, args.chunk_size),
+        "data": args.data,
+        "documents": len(documents),
+        "document_tokens": sum(len(d) for d in documents),
+        "stride": args.stride,
+        "bos": bos,
+        "truncate": args.truncate,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
     out.write_json("ppl.json", {"setup": setup, "lengths": {str(n): r for n, r in results.items()}, "provenance": record})
     text = markdown(results, setup) + "\n" + output.provenance_line(record)
     out.write_text("ppl.md", text)
     from .plots import bucket_plot, model_name
 
     label = setup["method"] + (f" x{setup['factor']:g}" if setup["factor"] else "")
-    out.save_figure("ppl.png", bucket_plot(results, title=f"{model_name(setup['model'])}, {label}: PPL by position",
-                                           window=setup["patch"]["original_window"] if setup["patch"] else setup["capacity"]))
+    out.save_figure(
+        "ppl.png",
+        bucket_plot(
+            results,
+            title=f"{model_name(setup['model'])}, {label}: PPL by position",
+            window=setup["patch"]["original_window"] if setup["patch"] else setup["capacity"],
+        ),
+    )
     print(text)
     print(f"results in {out.folder}")
     return 0

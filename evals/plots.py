@@ -57,16 +57,23 @@ def _ppl_panels(panels: list[tuple], window: int | None) -> None:
     peaks = {label: max(max(curves[label][1]) for _, curves in panels if label in curves) for label in panels[0][1]}
     last = panels[-1][0]
     handles, labels = last.get_legend_handles_labels()
-    last.legend(handles, [f"{label} (peak {peaks[label]:.0f}, off the axis)" if peaks.get(label, 0) > top else label
-                          for label in labels], loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0, fontsize=8)
+    last.legend(
+        handles,
+        [f"{label} (peak {peaks[label]:.0f}, off the axis)" if peaks.get(label, 0) > top else label for label in labels],
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0,
+        fontsize=8,
+    )
 
 
 def _position_panel(ax, curves: dict[str, list[dict]]) -> tuple:
     ax.set_xlim(0, max(b["end"] for buckets in curves.values() for b in buckets))
     ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
     ax.set_xlabel("position of the scored token in its window (bucket centre)")
-    return ax, {label: ([(b["start"] + b["end"]) / 2 for b in buckets], [b["ppl"] for b in buckets])
-                for label, buckets in curves.items()}
+    return ax, {
+        label: ([(b["start"] + b["end"]) / 2 for b in buckets], [b["ppl"] for b in buckets]) for label, buckets in curves.items()
+    }
 
 
 def _length_panel(ax, ppl: dict[str, dict[int, float]]) -> tuple:
@@ -75,8 +82,10 @@ def _length_panel(ax, ppl: dict[str, dict[int, float]]) -> tuple:
     ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.minorticks_off()
     ax.set_xlabel("evaluation length (tokens)")
-    return ax, {label: (sorted(int(n) for n in by_length), [by_length[n] for n in sorted(by_length, key=int)])
-                for label, by_length in ppl.items()}
+    return ax, {
+        label: (sorted(int(n) for n in by_length), [by_length[n] for n in sorted(by_length, key=int)])
+        for label, by_length in ppl.items()
+    }
 
 
 def ppl_by_position(curves: dict[str, list[dict]], window: int | None, title: str):
@@ -99,8 +108,15 @@ def _heatmap(fig, ax, rows: dict, columns: list, ylabel: str, xlabel: str, title
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="cividis", aspect="auto")
     for i, row in enumerate(grid):
         for j, value in enumerate(row):
-            ax.text(j, i, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=8,
-                    color="black" if value == value and value > 0.5 else "white")
+            ax.text(
+                j,
+                i,
+                "-" if value != value else f"{value:.2f}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="black" if value == value and value > 0.5 else "white",
+            )
     ax.set_xticks(range(len(columns)), [str(c) for c in columns])
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])
     ax.set_xlabel(xlabel)
@@ -116,8 +132,15 @@ def passkey_heatmap(accuracy: dict, model: str, method: str):
     lengths = sorted(table)
     depths = sorted({d for row in table.values() for d in row})
     fig, ax = plt.subplots(figsize=(1.1 * len(lengths) + 3.5, 0.45 * len(depths) + 2))
-    _heatmap(fig, ax, {f"{d:g}": {n: table[n].get(d, float("nan")) for n in lengths} for d in depths}, lengths,
-             "depth of the key", "prompt length (tokens)", f"{model_name(model)}, {method}: passkey retrieval")
+    _heatmap(
+        fig,
+        ax,
+        {f"{d:g}": {n: table[n].get(d, float("nan")) for n in lengths} for d in depths},
+        lengths,
+        "depth of the key",
+        "prompt length (tokens)",
+        f"{model_name(model)}, {method}: passkey retrieval",
+    )
     return fig
 
 
@@ -131,18 +154,32 @@ def compare_figure(report: dict):
     longest = str(max(int(n) for n in methods[0]["ppl"]))
     heatmaps = []  # (title, {label: {length: score in [0, 1]}})
     if all(m.get("passkey") for m in methods):
-        heatmaps.append(("passkey retrieval", {label: {int(n): a for n, a in m["passkey"]["by_length"].items()}
-                                               for label, m in zip(labels, methods)}))
+        heatmaps.append(
+            (
+                "passkey retrieval",
+                {label: {int(n): a for n, a in m["passkey"]["by_length"].items()} for label, m in zip(labels, methods)},
+            )
+        )
     if all(m.get("ruler") for m in methods):
-        heatmaps.append((f"RULER {setup['ruler']['task']}", {label: {int(n): a for n, a in m["ruler"]["by_length"].items()}
-                                                             for label, m in zip(labels, methods)}))
+        heatmaps.append(
+            (
+                f"RULER {setup['ruler']['task']}",
+                {label: {int(n): a for n, a in m["ruler"]["by_length"].items()} for label, m in zip(labels, methods)},
+            )
+        )
     below = 0.3 * len(methods) + 1.5
     fig = plt.figure(figsize=(15, 5 + (below if heatmaps else 0)), layout="constrained")
     grid = fig.add_gridspec(2 if heatmaps else 1, 2, height_ratios=[5, below] if heatmaps else None)
     by_length, by_position = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
-    _ppl_panels([_length_panel(by_length, {label: {int(n): r["ppl"] for n, r in m["ppl"].items()} for label, m in zip(labels, methods)}),
-                 _position_panel(by_position, {label: m["ppl"][longest]["buckets"] for label, m in zip(labels, methods)})],
-                setup["original_window"])
+    _ppl_panels(
+        [
+            _length_panel(
+                by_length, {label: {int(n): r["ppl"] for n, r in m["ppl"].items()} for label, m in zip(labels, methods)}
+            ),
+            _position_panel(by_position, {label: m["ppl"][longest]["buckets"] for label, m in zip(labels, methods)}),
+        ],
+        setup["original_window"],
+    )
     by_length.set_title("perplexity vs length")
     by_position.set_title(f"perplexity by position, {longest} tokens")
     for column, (title, table) in enumerate(heatmaps):

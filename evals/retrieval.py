@@ -63,12 +63,21 @@ def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
     """ValueError unless the baseline asked the same depths, trials and seed as this run."""
     setup = baseline["setup"]
     theirs = sorted({r["depth"] for r in baseline["trials"]})
-    differ = [name for name, a, b in (("depths", theirs, sorted(set(depths))), ("trials", setup.get("trials"), trials),
-                                      ("seed", setup.get("seed"), seed)) if a != b]
+    differ = [
+        name
+        for name, a, b in (
+            ("depths", theirs, sorted(set(depths))),
+            ("trials", setup.get("trials"), trials),
+            ("seed", setup.get("seed"), seed),
+        )
+        if a != b
+    ]
     if differ:
-        raise ValueError(f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
-                         f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}); "
-                         "retained retrieval compares the same prompts' depths and keys' seed")
+        raise ValueError(
+            f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
+            f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}); "
+            "retained retrieval compares the same prompts' depths and keys' seed"
+        )
 
 
 def baseline_summary(baseline: dict, window: int | None) -> dict:

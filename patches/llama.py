@@ -69,17 +69,23 @@ class LlamaFamily(FamilyAdapter):
                 record["original_window"] = original_window
             return record, False
         config = site.config
-        record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else {
-            "rope_parameters": copy.deepcopy(config.rope_parameters),
-            "max_position_embeddings": config.max_position_embeddings,
-        }
+        record = (
+            saved.original_values("rope_parameters", "max_position_embeddings")
+            if saved
+            else {
+                "rope_parameters": copy.deepcopy(config.rope_parameters),
+                "max_position_embeddings": config.max_position_embeddings,
+            }
+        )
         rope = record["rope_parameters"]
         rope_type = rope.get("rope_type", "default")
         if original_window is not None:
             record["original_window"] = original_window
         elif "original_window" in record:
             pass
-        elif stated_window := (getattr(config, "dual_chunk_attention_config", None) or {}).get("original_max_position_embeddings"):
+        elif stated_window := (getattr(config, "dual_chunk_attention_config", None) or {}).get(
+            "original_max_position_embeddings"
+        ):
             # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
             record["original_window"] = stated_window
         elif rope_type == "default":

@@ -26,49 +26,83 @@ def model_arguments(parser, *, method: bool = True) -> None:
     """--model/--dtype/--device/--attn-implementation/--chunk-size, and with `method` also
     --method/--factor/--param/--original-window."""
     group = parser.add_argument_group("model")
-    group.add_argument("--model", default=None, metavar="PATH_OR_ID",
-                       help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)")
-    group.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES),
-                       help="weights and activations dtype; auto: bfloat16 on a CPU with native bf16 dot products "
-                            "(AVX512-BF16 or AMX) or a CUDA GPU with bf16, else float32; rotary angles stay fp32 "
-                            "(default: auto; results record the dtype)")
+    group.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH_OR_ID",
+        help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)",
+    )
+    group.add_argument(
+        "--dtype",
+        default=AUTO,
+        choices=(AUTO, *DTYPES),
+        help="weights and activations dtype; auto: bfloat16 on a CPU with native bf16 dot products "
+        "(AVX512-BF16 or AMX) or a CUDA GPU with bf16, else float32; rotary angles stay fp32 "
+        "(default: auto; results record the dtype)",
+    )
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
-    group.add_argument("--chunk-size", type=int, default=None, metavar="N",
-                       help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
-                            "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
-                            "(default: one forward per input)")
+    group.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
+        "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
+        "(default: one forward per input)",
+    )
     if method:
-        group.add_argument("--method", default=None,
-                           help=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
-                                "patched, or a fine-tune folder, keeps its patch; the embedded SmolLM2 is unpatched)")
-        group.add_argument("--factor", type=float, default=None, help="scale relative to the original window (required unless plain)")
-        group.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                           help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)")
-        group.add_argument("--original-window", type=int, default=None,
-                           help="the pretraining window, for checkpoints whose config does not record it")
+        group.add_argument(
+            "--method",
+            default=None,
+            help=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
+            "patched, or a fine-tune folder, keeps its patch; the embedded SmolLM2 is unpatched)",
+        )
+        group.add_argument(
+            "--factor", type=float, default=None, help="scale relative to the original window (required unless plain)"
+        )
+        group.add_argument(
+            "--param",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)",
+        )
+        group.add_argument(
+            "--original-window",
+            type=int,
+            default=None,
+            help="the pretraining window, for checkpoints whose config does not record it",
+        )
 
 
 def data_arguments(parser) -> None:
     group = parser.add_argument_group("data")
     group.add_argument(
-        "--data", default=GUTENBERG, metavar="SOURCE",
+        "--data",
+        default=GUTENBERG,
+        metavar="SOURCE",
         help=f"'{GUTENBERG}' (each embedded Gutenberg play is a document), '{GUTENBERG_JOINED}' (the first six "
-             "plays as one document), a local text file, a folder of text/JSONL files, or a `datasets` id such as "
-             "emozilla/pg19-test (needs a reachable hub) (default: gutenberg)",
+        "plays as one document), a local text file, a folder of text/JSONL files, or a `datasets` id such as "
+        "emozilla/pg19-test (needs a reachable hub) (default: gutenberg)",
     )
     group.add_argument("--data-split", default="test", help="split of a `datasets` source (default: test)")
     group.add_argument("--data-field", default="text", help="text field of a `datasets` or JSONL source (default: text)")
     group.add_argument("--min-tokens", type=int, default=0, help="skip documents shorter than this many tokens")
     group.add_argument("--limit", type=int, default=None, help="use at most this many documents (after --min-tokens)")
-    group.add_argument("--seed", type=int, default=None,
-                       help="with --limit: pick the documents at random with this seed instead of the first ones")
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with --limit: pick the documents at random with this seed instead of the first ones",
+    )
 
 
 def output_arguments(parser) -> None:
     group = parser.add_argument_group("output")
-    group.add_argument("--output", default=None, metavar="DIR",
-                       help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)")
+    group.add_argument(
+        "--output", default=None, metavar="DIR", help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)"
+    )
     group.add_argument("--overwrite", action="store_true", help="replace result files that already exist in --output")
     group.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -86,14 +120,26 @@ def demo(parser: argparse.ArgumentParser) -> None:
 
 
 def perplexity(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", required=True, metavar="N",
-                        help="window lengths in tokens (e.g. 4096 8192 16384)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="tokens between window starts (default: the length, non-overlapping; YaRN used 256)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
-                        help="feed BOS at the start of every window (default: as the tokenizer does)")
-    parser.add_argument("--truncate", action="store_true",
-                        help="cut each document to its first LENGTH tokens: one window per document (YaRN's --truncate)")
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", required=True, metavar="N", help="window lengths in tokens (e.g. 4096 8192 16384)"
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="tokens between window starts (default: the length, non-overlapping; YaRN used 256)",
+    )
+    parser.add_argument(
+        "--bos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="feed BOS at the start of every window (default: as the tokenizer does)",
+    )
+    parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut each document to its first LENGTH tokens: one window per document (YaRN's --truncate)",
+    )
     parser.add_argument("--bucket", type=int, default=None, help="width of the position buckets (default: max length / 8)")
     model_arguments(parser)
     data_arguments(parser)
@@ -101,56 +147,132 @@ def perplexity(parser: argparse.ArgumentParser) -> None:
 
 
 def passkey(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)")
-    parser.add_argument("--depths", type=float, nargs="+", default=list(DEFAULT_DEPTHS), metavar="D",
-                        help="where the key sits in the filler, 0 = start, 1 = end (default: 0.1 0.3 0.5 0.7 0.9)")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)",
+    )
+    parser.add_argument(
+        "--depths",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_DEPTHS),
+        metavar="D",
+        help="where the key sits in the filler, 0 = start, 1 = end (default: 0.1 0.3 0.5 0.7 0.9)",
+    )
     parser.add_argument("--trials", type=int, default=5, help="trials per (length, depth) cell (default: 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
-    parser.add_argument("--share-prefix", action="store_true",
-                        help="prompts of one length start from the cache of the first one, cut to the tokens they share, and "
-                             "prefill only the rest (a chunked prefill: the same answers, up to rounding; not with sink_window)")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the trials in --output's passkey.partial.json (a stopped run with the same setup) and ask only the rest")
-    parser.add_argument("--baseline", default=None, metavar="PATH",
-                        help="passkey.json (or its folder) of the unpatched model at its trained window with the same depths, "
-                             "trials and seed: adds the retained retrieval, accuracy / the baseline's")
+    parser.add_argument(
+        "--share-prefix",
+        action="store_true",
+        help="prompts of one length start from the cache of the first one, cut to the tokens they share, and "
+        "prefill only the rest (a chunked prefill: the same answers, up to rounding; not with sink_window)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the trials in --output's passkey.partial.json (a stopped run with the same setup) and ask only the rest",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="PATH",
+        help="passkey.json (or its folder) of the unpatched model at its trained window with the same depths, "
+        "trials and seed: adds the retained retrieval, accuracy / the baseline's",
+    )
     model_arguments(parser)
     output_arguments(parser)
 
 
 def compare(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--methods", nargs="+", default=None, metavar="SPEC",
-                        help="methods to compare: METHOD or METHOD:KEY=VALUE[,KEY=VALUE], 'plain' = unpatched "
-                             "(default: plain and every method `rope-ext methods` lists)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="evaluation lengths (default: window/2, window, 2 x window)")
-    parser.add_argument("--factor", type=float, default=None,
-                        help="factor for every patched method (default: longest length / window, at least 2)")
-    parser.add_argument("--param", action="append", default=[], metavar="METHOD:KEY=VALUE",
-                        help="a parameter for one method, repeatable (e.g. dynamic:granularity=512)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="slide windows over whole documents with this stride (default: first L tokens only)")
-    parser.add_argument("--bucket", type=int, default=None,
-                        help="width of the position buckets of the longest length (default: longest length / 8)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=None,
-                        help="BOS at the start of every window (default: as the tokenizer does)")
-    parser.add_argument("--passkey-depths", type=float, nargs="+", default=[0.5], metavar="D",
-                        help="passkey key depths (default: 0.5)")
-    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="passkey prompt lengths (default: every --lengths)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="methods to compare: METHOD or METHOD:KEY=VALUE[,KEY=VALUE], 'plain' = unpatched "
+        "(default: plain and every method `rope-ext methods` lists)",
+    )
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="evaluation lengths (default: window/2, window, 2 x window)",
+    )
+    parser.add_argument(
+        "--factor",
+        type=float,
+        default=None,
+        help="factor for every patched method (default: longest length / window, at least 2)",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="METHOD:KEY=VALUE",
+        help="a parameter for one method, repeatable (e.g. dynamic:granularity=512)",
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="slide windows over whole documents with this stride (default: first L tokens only)",
+    )
+    parser.add_argument(
+        "--bucket",
+        type=int,
+        default=None,
+        help="width of the position buckets of the longest length (default: longest length / 8)",
+    )
+    parser.add_argument(
+        "--bos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="BOS at the start of every window (default: as the tokenizer does)",
+    )
+    parser.add_argument(
+        "--passkey-depths", type=float, nargs="+", default=[0.5], metavar="D", help="passkey key depths (default: 0.5)"
+    )
+    parser.add_argument(
+        "--passkey-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="passkey prompt lengths (default: every --lengths)",
+    )
     parser.add_argument("--passkey-trials", type=int, default=1, help="passkey trials per (length, depth) (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="passkey answer tokens (default: 10)")
     parser.add_argument("--no-passkey", action="store_true", help="perplexity only")
-    parser.add_argument("--ruler-samples", type=int, default=None, metavar="K",
-                        help="add a RULER column through lm-eval: K of the 500 samples RULER builds per length, for "
-                             "every method (default: no RULER; needs rope-ext[ruler])")
-    parser.add_argument("--ruler-task", default=None, metavar="TASK",
-                        help="which RULER task (default: niah_single_1, whose filler needs no download)")
-    parser.add_argument("--ruler-lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="RULER lengths: prompt plus answer budget, as RULER counts them (default: every --lengths)")
+    parser.add_argument(
+        "--ruler-samples",
+        type=int,
+        default=None,
+        metavar="K",
+        help="add a RULER column through lm-eval: K of the 500 samples RULER builds per length, for "
+        "every method (default: no RULER; needs rope-ext[ruler])",
+    )
+    parser.add_argument(
+        "--ruler-task",
+        default=None,
+        metavar="TASK",
+        help="which RULER task (default: niah_single_1, whose filler needs no download)",
+    )
+    parser.add_argument(
+        "--ruler-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="RULER lengths: prompt plus answer budget, as RULER counts them (default: every --lengths)",
+    )
     model_arguments(parser, method=False)
     data_arguments(parser)
     parser.set_defaults(data=GUTENBERG_JOINED, limit=1)
@@ -161,9 +283,13 @@ def convert_chatglm(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="remote-code ChatGLM2/3 or GLM-4 checkpoint folder")
     parser.add_argument("dst", help="folder for the native transformers GLM checkpoint")
     parser.add_argument(
-        "--rope-ratio-meaning", choices=ROPE_RATIO_MEANINGS, default=None,
+        "--rope-ratio-meaning",
+        choices=ROPE_RATIO_MEANINGS,
+        default=None,
         help="what rope_ratio does when the checkpoint's modeling file does not say: 'base' (ChatGLM3-6B-32K, "
         "GLM-4: base = 10000 * rope_ratio) or 'positions' (ChatGLM2-6B-32K: positions / rope_ratio)",
     )
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)"
+    )
     parser.add_argument("--max-shard-size", default="5GB", help="largest weight file written (default 5GB)")

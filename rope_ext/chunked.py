@@ -49,7 +49,9 @@ def _check(input_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be [tokens] or [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be [tokens] or [batch, tokens] with at least one token, got shape {tuple(input_ids.shape)}"
+        )
     return input_ids
 
 
@@ -83,12 +85,16 @@ def copy_prefix(model, cache, length: int):
     for a dynamic patch with causal=False, whose queries are scaled for the whole prompt's length:
     a prefix computed inside one prompt is then not that of another."""
     if not isinstance(cache, DynamicCache) or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(f"copy_prefix needs a DynamicCache that keeps every key, got {type(cache).__name__} "
-                         f"with {sorted({type(layer).__name__ for layer in getattr(cache, 'layers', [])})}")
+        raise ValueError(
+            f"copy_prefix needs a DynamicCache that keeps every key, got {type(cache).__name__} "
+            f"with {sorted({type(layer).__name__ for layer in getattr(cache, 'layers', [])})}"
+        )
     patch = _patch(model)
     if patch is not None and patch[0].dynamic and patch[1].get("causal", True) is False:
-        raise ValueError(f"copy_prefix: {patch[0].name} with causal=False scales every query for the whole input's "
-                         "length, so a prompt's prefix is not computed as it would be inside another prompt")
+        raise ValueError(
+            f"copy_prefix: {patch[0].name} with causal=False scales every query for the whole input's "
+            "length, so a prompt's prefix is not computed as it would be inside another prompt"
+        )
     held = cache.get_seq_length()
     if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
         raise ValueError(f"length must be an int in [0, {held}] (the tokens the cache holds), got {length!r}")
@@ -118,8 +124,17 @@ def _warn_slow_schedule(model, chunk_size: int) -> None:
 
 
 @torch.no_grad()
-def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attention_mask: torch.Tensor | None = None,
-                    cache=None, keep_hidden: bool = True, on_chunk=None, progress: bool = False):
+def chunked_forward(
+    model,
+    input_ids: torch.Tensor,
+    chunk_size: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    cache=None,
+    keep_hidden: bool = True,
+    on_chunk=None,
+    progress: bool = False,
+):
     """Run `input_ids` [B, T] (or [T]) through the model body `chunk_size` tokens at a time.
 
     Returns (hidden, cache): the final hidden states [B, T, hidden] (the LM head's input; None with
@@ -132,7 +147,9 @@ def chunked_forward(model, input_ids: torch.Tensor, chunk_size: int, *, attentio
     input_ids = _check(input_ids, chunk_size)
     batch, length = input_ids.shape
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
+        )
     _warn_slow_schedule(model, chunk_size)
     decoder = model.get_decoder()
     device = model.get_input_embeddings().weight.device
@@ -185,8 +202,10 @@ def token_nll(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     runs on LOGIT_ELEMENTS logits at a time, so memory never holds T x vocab."""
     rows = max(1, LOGIT_ELEMENTS // model.get_output_embeddings().weight.shape[0])
     targets = targets.to(hidden.device)
-    parts = [F.cross_entropy(lm_logits(model, hidden[lo : lo + rows]), targets[lo : lo + rows], reduction="none").double().cpu()
-             for lo in range(0, targets.numel(), rows)]
+    parts = [
+        F.cross_entropy(lm_logits(model, hidden[lo : lo + rows]), targets[lo : lo + rows], reduction="none").double().cpu()
+        for lo in range(0, targets.numel(), rows)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
@@ -210,8 +229,15 @@ def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bo
 
 
 @torch.no_grad()
-def chunked_generate(model, input_ids: torch.Tensor, chunk_size: int, *, attention_mask: torch.Tensor | None = None,
-                     progress: bool = False, **generate_kwargs) -> torch.Tensor:
+def chunked_generate(
+    model,
+    input_ids: torch.Tensor,
+    chunk_size: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    progress: bool = False,
+    **generate_kwargs,
+) -> torch.Tensor:
     """`model.generate` for a long prompt: all but its last token are prefilled through the KV
     cache in chunks (chunked_forward), then generate continues from that cache, with any of its
     options (`max_new_tokens`, `do_sample`, ...). Returns what generate returns (prompt included)."""
@@ -221,6 +247,7 @@ def chunked_generate(model, input_ids: torch.Tensor, chunk_size: int, *, attenti
     cache = None
     if input_ids.shape[1] > 1:
         head_mask = None if attention_mask is None else attention_mask[:, :-1]
-        _, cache = chunked_forward(model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False,
-                                   progress=progress)
+        _, cache = chunked_forward(
+            model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False, progress=progress
+        )
     return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

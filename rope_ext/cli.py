@@ -24,9 +24,16 @@ COMMANDS = {
     "env": ("rope_ext.cli", arguments.no_arguments, "versions, device, bf16 support and threads, for bug reports"),
     "eval ppl": ("rope_ext.evals.perplexity", arguments.perplexity, "sliding-window perplexity of long documents"),
     "eval passkey": ("rope_ext.evals.passkey", arguments.passkey, "passkey retrieval over lengths x depths"),
-    "compare": ("rope_ext.evals.compare", arguments.compare, "methods x lengths on one model: perplexity, passkey and optionally RULER"),
-    "convert-chatglm": ("rope_ext.patches.chatglm.convert", arguments.convert_chatglm,
-                        "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint"),
+    "compare": (
+        "rope_ext.evals.compare",
+        arguments.compare,
+        "methods x lengths on one model: perplexity, passkey and optionally RULER",
+    ),
+    "convert-chatglm": (
+        "rope_ext.patches.chatglm.convert",
+        arguments.convert_chatglm,
+        "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint",
+    ),
 }
 # `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered.
 LM_EVAL = "lm-eval"

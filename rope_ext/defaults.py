@@ -104,9 +104,7 @@ def load_smollm2(dtype=None, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype or torch.float32, attn_implementation=attn_implementation
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation=attn_implementation)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
@@ -130,9 +128,7 @@ def gutenberg_tokenizer(vocab_size: int = 1024):
             show_progress=False,
         )
         tok.train_from_iterator(gutenberg_documents().values(), trainer=trainer)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-        )
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
         tmp = out.with_name(out.name + f".partial{os.getpid()}")
         fast.save_pretrained(tmp)
         try:

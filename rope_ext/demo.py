@@ -44,15 +44,18 @@ def run(args: argparse.Namespace, plan) -> int:
     if len(ids) < args.length:
         raise ValueError(f"the demo text has only {len(ids)} tokens; use --length <= {len(ids)}")
     document = Document("gutenberg-joined", ids)
-    print(f"SmolLM2-135M, trained window {window}; {args.length} tokens of Gutenberg text; torch threads {torch.get_num_threads()}")
+    print(
+        f"SmolLM2-135M, trained window {window}; {args.length} tokens of Gutenberg text; torch threads {torch.get_num_threads()}"
+    )
 
     record = output.provenance(model, None)
     results = {}
     for label, method, factor in runs:
         loading.apply_method(model, method, factor)
         print(f"-> {label}")
-        results[label] = evaluate(model, [document], [args.length], truncate=True, bucket=args.bucket,
-                                  progress=not args.no_progress)[args.length]
+        results[label] = evaluate(
+            model, [document], [args.length], truncate=True, bucket=args.bucket, progress=not args.no_progress
+        )[args.length]
 
     first = next(iter(results.values()))
     spans = [(b["start"], b["end"]) for b in first["buckets"]]
@@ -61,12 +64,19 @@ def run(args: argparse.Namespace, plan) -> int:
     table = output.markdown_table(header, rows)
     note = f"Perplexity by position (tokens), window {window}: buckets past {window // 1024}k are beyond what the model was trained on."
     print("\n" + note + "\n" + table)
-    folder.write_json("demo.json", {"length": args.length, "window": window, "factor": args.factor, "results": results,
-                                    "provenance": record})
+    folder.write_json(
+        "demo.json", {"length": args.length, "window": window, "factor": args.factor, "results": results, "provenance": record}
+    )
     folder.write_text("demo.md", note + "\n\n" + table + "\n" + output.provenance_line(record))
     from rope_ext.evals.plots import ppl_by_position
 
-    folder.save_figure("demo.png", ppl_by_position({label: r["buckets"] for label, r in results.items()}, window,
-                                                   f"SmolLM2-135M: perplexity by position, {args.length} tokens"))
+    folder.save_figure(
+        "demo.png",
+        ppl_by_position(
+            {label: r["buckets"] for label, r in results.items()},
+            window,
+            f"SmolLM2-135M: perplexity by position, {args.length} tokens",
+        ),
+    )
     print(f"\nwrote {folder.folder}/demo.json, demo.md and demo.png")
     return 0

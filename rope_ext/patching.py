@@ -64,7 +64,9 @@ def _site(model: nn.Module):
     return adapter, adapter.site(model)
 
 
-def patch(model: nn.Module, method: str, factor: float | None = None, *, original_window: int | None = None, **params) -> PatchInfo:
+def patch(
+    model: nn.Module, method: str, factor: float | None = None, *, original_window: int | None = None, **params
+) -> PatchInfo:
     """Replace the model's rotary embedding with `method` at `factor` x its original window.
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
@@ -72,8 +74,14 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, origina
     return _patch(model, method, factor, params, original_window)
 
 
-def _patch(model: nn.Module, method: str, factor: float | None, params: dict, original_window: int | None = None,
-           saved: Patch | None = None) -> PatchInfo:
+def _patch(
+    model: nn.Module,
+    method: str,
+    factor: float | None,
+    params: dict,
+    original_window: int | None = None,
+    saved: Patch | None = None,
+) -> PatchInfo:
     """`patch`, given the patch recorded in the model's config where the caller has read it."""
     spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
@@ -101,10 +109,20 @@ def _patch(model: nn.Module, method: str, factor: float | None, params: dict, or
     record.write(config, applied)
     PatchedModel(site.model, method, applied.max_length, native is not None).install()
     return PatchInfo(
-        method=applied.method, factor=applied.factor, params=applied.params, family=adapter.name,
-        model_type=config.model_type, original_window=applied.original_window, max_length=applied.max_length,
-        rotary_dim=geometry.rotary_dim, head_dim=geometry.head_dim, base=geometry.base, layout=geometry.layout,
-        attention_factor=None if spec.dynamic else rotary.attention_scaling, native=native, notes=notes,
+        method=applied.method,
+        factor=applied.factor,
+        params=applied.params,
+        family=adapter.name,
+        model_type=config.model_type,
+        original_window=applied.original_window,
+        max_length=applied.max_length,
+        rotary_dim=geometry.rotary_dim,
+        head_dim=geometry.head_dim,
+        base=geometry.base,
+        layout=geometry.layout,
+        attention_factor=None if spec.dynamic else rotary.attention_scaling,
+        native=native,
+        notes=notes,
     )
 
 
@@ -163,7 +181,8 @@ class PatchedModel:
                 f"rope_ext: no transformers rope_parameters express the {self.method!r} patch of this model, so a plain "
                 "from_pretrained of the checkpoint loads the unpatched model; load it with rope_ext.from_pretrained(path), "
                 "which re-applies the patch",
-                UserWarning, stacklevel=2,
+                UserWarning,
+                stacklevel=2,
             )
         return type(self.model).save_pretrained(self.model, *args, **kwargs)
 

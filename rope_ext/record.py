@@ -69,8 +69,11 @@ class Patch:
     def described(self) -> dict:
         """What `rope_ext.describe` answers for a model carrying this patch."""
         return {
-            "method": self.method, "factor": self.factor, "params": dict(self.params),
-            "geometry": self.geometry.to_dict(), "max_length": self.max_length,
+            "method": self.method,
+            "factor": self.factor,
+            "params": dict(self.params),
+            "geometry": self.geometry.to_dict(),
+            "max_length": self.max_length,
         }
 
 
@@ -80,10 +83,17 @@ def config_source(config) -> str:
 
 
 def write(config, patch: Patch) -> None:
-    setattr(config, CONFIG_KEY, {
-        "version": CONFIG_VERSION, "method": patch.method, "factor": patch.factor, "params": patch.params,
-        "original": patch.original,
-    })
+    setattr(
+        config,
+        CONFIG_KEY,
+        {
+            "version": CONFIG_VERSION,
+            "method": patch.method,
+            "factor": patch.factor,
+            "params": patch.params,
+            "original": patch.original,
+        },
+    )
 
 
 def erase(config) -> None:
@@ -103,7 +113,9 @@ def read(config, source: str | None = None) -> Patch | None:
         raise ValueError(f"{source}: rope_ext config format {version!r} is not supported (expected {CONFIG_VERSION})")
     method = _field(saved, "method", str, source)
     if method not in REGISTRY:
-        raise ValueError(f"{source}: key {CONFIG_KEY}.method names unknown method {method!r}; valid methods: {', '.join(REGISTRY)}")
+        raise ValueError(
+            f"{source}: key {CONFIG_KEY}.method names unknown method {method!r}; valid methods: {', '.join(REGISTRY)}"
+        )
     factor = _field(saved, "factor", (int, float), source)
     try:
         factor = REGISTRY[method].accept_factor(factor)  # > 1, or 1 for a method meant for the trained window too

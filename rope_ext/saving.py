@@ -120,7 +120,8 @@ def _seal(out: Path, method: str) -> None:
         f"rope_ext: no transformers rope_parameters express the {method!r} patch, so peft or transformers alone would "
         f"attach this adapter to the unpatched model; {out} keeps its adapter config as {SEALED_ADAPTER_CONFIG}, which "
         f"they do not read: load it with rope_ext.from_pretrained({str(out)!r})",
-        UserWarning, stacklevel=3,
+        UserWarning,
+        stacklevel=3,
     )
 
 

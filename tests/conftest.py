@@ -59,3 +59,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: a command must refuse its arguments before a model loads."""
+    from rope_ext.evals import loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr("rope_ext.defaults.load_smollm2", refuse)

@@ -23,7 +23,15 @@ DYNAMIC_METHODS = ["dynamic", "dynamic_yarn", "self_extend"]
 SHAPES = {
     "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
     "mistral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, sliding_window=None),
-    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_local_experts=2, num_experts_per_tok=1, head_dim=16),
+    "mixtral": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        head_dim=16,
+    ),
     "qwen2": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
     "qwen3": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, head_dim=16),
 }
@@ -32,8 +40,11 @@ SHAPES = {
 def random_config(model_type: str = "llama", attn: str = "sdpa", rope_parameters: dict | None = None, **overrides):
     shape = {"max_position_embeddings": WINDOW, **SHAPES[model_type], **overrides}
     config = AutoConfig.for_model(
-        model_type, num_hidden_layers=2, vocab_size=97,
-        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}, **shape,
+        model_type,
+        num_hidden_layers=2,
+        vocab_size=97,
+        rope_parameters=rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        **shape,
     )
     config._attn_implementation = attn
     return config
@@ -201,6 +212,16 @@ def assert_saves_reloads_and_unpatches(model, method: str, params: dict, ids: to
 
 
 # References and probes inside attention: rope_ext.attention's transforms.
+
+
+def left_padded(ids: torch.LongTensor, pad: int) -> tuple[torch.LongTensor, torch.LongTensor, torch.LongTensor]:
+    """(batch, attention_mask, position_ids) of two rows: `ids` [1, S], and `pad` pad tokens followed
+    by `ids` without its first `pad` tokens, from position 0."""
+    batch = torch.cat((ids, torch.cat((torch.zeros(1, pad, dtype=ids.dtype), ids[:, pad:]), dim=1)))
+    padding = torch.ones_like(batch)
+    padding[1, :pad] = 0
+    return batch, padding, (padding.cumsum(-1) - 1).clamp(min=0)
+
 
 def rotate(x, positions, base, dim):
     """x [B, H, S, dim] rotated to `positions` [S], pairs (i, i + dim/2): written out independently."""

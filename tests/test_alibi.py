@@ -53,7 +53,9 @@ class _Holder(nn.Module):
 
 
 # transformers hands sdpa no mask ("none") only for square or single-row attention
-CHUNK_CASES = [(40, 40, "none"), (1, 23, "none")] + [(q, k, m) for q, k in [(40, 40), (3, 40), (1, 23)] for m in ("bool", "float")]
+CHUNK_CASES = [(40, 40, "none"), (1, 23, "none")] + [
+    (q, k, m) for q, k in [(40, 40), (3, 40), (1, 23)] for m in ("bool", "float")
+]
 
 
 @pytest.mark.parametrize("q_len, kv_len, model_mask", CHUNK_CASES)
@@ -210,8 +212,17 @@ def test_static_cache_is_refused():
 
 def glm_model():
     config = AutoConfig.for_model(
-        "glm", num_hidden_layers=2, vocab_size=97, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, max_position_embeddings=WINDOW, partial_rotary_factor=0.5, pad_token_id=0,
+        "glm",
+        num_hidden_layers=2,
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=WINDOW,
+        partial_rotary_factor=0.5,
+        pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
     config._attn_implementation = "sdpa"
@@ -389,10 +400,12 @@ def test_flash_attention_2_agrees_with_sdpa():
 def perplexities(model, stream: torch.LongTensor, length: int, n_segments: int, past: int) -> tuple[float, float]:
     """exp(mean NLL) over n_segments disjoint segments of `length` tokens: of all predicted tokens,
     and of the tokens at positions >= past."""
-    nll = torch.cat([
-        torch.nn.functional.cross_entropy(model(ids[None]).logits[0, :-1], ids[1:], reduction="none")
-        for ids in stream[: n_segments * length].view(n_segments, length)
-    ])
+    nll = torch.cat(
+        [
+            torch.nn.functional.cross_entropy(model(ids[None]).logits[0, :-1], ids[1:], reduction="none")
+            for ids in stream[: n_segments * length].view(n_segments, length)
+        ]
+    )
     per_position = nll.view(n_segments, length - 1)
     return math.exp(nll.mean().item()), math.exp(per_position[:, past - 1 :].mean().item())
 

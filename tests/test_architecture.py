@@ -4,6 +4,8 @@ cycles, dependencies in one direction, and an orchestration that names no method
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,8 +37,9 @@ def imports(name: str, path: Path) -> list[tuple[str, bool]]:
     """(imported rope_ext module, whether the import sits inside a function) for each import."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    inside = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for node in ast.walk(fn)}
+    inside = {
+        id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) for node in ast.walk(fn)
+    }
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -65,7 +68,7 @@ def test_no_import_cycle():
         state[name] = "open"
         for target, _ in GRAPH[name]:
             if state.get(target) == "open":
-                cycle = trail[trail.index(target):] + [target] if target in trail else [name, target]
+                cycle = trail[trail.index(target) :] + [target] if target in trail else [name, target]
                 pytest.fail(f"import cycle: {' -> '.join(cycle)}")
             if target not in state:
                 visit(target, trail + [target])
@@ -88,15 +91,22 @@ def test_core_imports_its_own_modules_at_the_top():
 @pytest.mark.parametrize(
     "layer, forbidden",
     [
-        ("rope_ext.method", ("rope_ext.patches", "rope_ext.patching", "rope_ext.saving", "rope_ext.record", "rope_ext.evals", "rope_ext.cli")),
+        (
+            "rope_ext.method",
+            ("rope_ext.patches", "rope_ext.patching", "rope_ext.saving", "rope_ext.record", "rope_ext.evals", "rope_ext.cli"),
+        ),
         ("rope_ext.patches", ("rope_ext.patching", "rope_ext.saving", "rope_ext.evals", "rope_ext.cli", "rope_ext.training")),
         ("rope_ext.patching", ("rope_ext.evals", "rope_ext.cli", "rope_ext.saving")),
     ],
 )
 def test_dependencies_run_one_way(layer, forbidden):
-    wrong = [(n, t) for n in GRAPH if n == layer or n.startswith(layer + ".")
-             for t, _ in GRAPH[n] if any(t == f or t.startswith(f + ".") for f in forbidden)
-             and not t.startswith(layer)]
+    wrong = [
+        (n, t)
+        for n in GRAPH
+        if n == layer or n.startswith(layer + ".")
+        for t, _ in GRAPH[n]
+        if any(t == f or t.startswith(f + ".") for f in forbidden) and not t.startswith(layer)
+    ]
     assert wrong == []
 
 
@@ -106,11 +116,17 @@ def test_nothing_imports_the_cli():
 
 def test_orchestration_names_no_method_and_no_family():
     tree = ast.parse(MODULES["rope_ext.patching"].read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node)
+    }
     keys = {id(k) for node in ast.walk(tree) if isinstance(node, ast.Dict) for k in node.keys if k is not None}
-    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
-               and id(node) not in docstrings | keys}
+    strings = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings | keys
+    }
     names = set(methods.REGISTRY) | {a.name for a in ADAPTERS} | {t for a in ADAPTERS for t in a.model_types}
     assert not {s for s in strings for n in names if n in s.replace("'", " ").split()}
     identifiers = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
@@ -121,3 +137,9 @@ def test_every_registered_method_is_a_method_with_the_declared_parts():
     for name, spec in methods.REGISTRY.items():
         assert isinstance(spec, methods.Method) and spec.name == name
         assert set(rope_ext.methods()[name]["params"]) == {"factor", *spec.all_params}
+
+
+def test_the_code_follows_its_formatter():
+    """`ruff format` with the project's configuration (pyproject.toml) leaves every file as it is."""
+    result = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -54,6 +54,7 @@ class Row:
     decode_step: list[dict]  # a decode step past the window is one backend call per layer (where it is)
     saved: list[dict]  # save, reload and unpatch
     unpadded: bool  # it needs one unpadded sequence: padded batches are refused
+    needs_factor: bool = True  # without a factor (or the parameters that imply one) it is refused
 
 
 METHODS = [
@@ -92,6 +93,16 @@ METHODS = [
         decode_step=[],  # a step attends to the sinks and to the window in two calls, merged by log-sum-exp
         saved=[{"factor": 4, "sinks": 2, "window": 30}],
         unpadded=True,
+    ),
+    Row(
+        "string",
+        inside=[],  # it acts inside the window, from its shift on: bit for bit below it (test_string.py)
+        cached=[{"factor": 4, "local": 16}, {"shift": 90, "local": 16}],
+        decoded=[{"factor": 4, "local": 16}],
+        decode_step=[{"factor": 4, "local": 16}],
+        saved=[{"factor": 4, "local": 16}, {"shift": 90, "local": 16, "temperature": True}],
+        unpadded=False,
+        needs_factor=False,
     ),
 ]
 
@@ -183,8 +194,10 @@ def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model,
         cache = DynamicCache(config=tiny_model.config)
         tiny_model(ids[:, :-5], cache=cache, use_cache=True)
         counter.calls = lse["calls"] = 0
-        steps = torch.cat([tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits
-                           for t in range(ids.shape[1] - 5, ids.shape[1])], dim=1)
+        steps = torch.cat(
+            [tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(ids.shape[1] - 5, ids.shape[1])],
+            dim=1,
+        )
     # each step: every key, near and distant, in one call of the model's backend
     assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
     assert (steps - full[:, -5:]).abs().max() <= 1e-4
@@ -232,10 +245,11 @@ def test_a_static_cache_is_refused(method):
         model(random_ids(8), cache=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("method", rows(lambda row: row.needs_factor))
+def test_a_missing_factor_changes_nothing(method):
+    assert_refused_unchanged(method, {}, "needs a factor")
+
+
 @pytest.mark.parametrize("method", rows())
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "needs a factor"),
-    ({"factor": 4, "beta_fast": 4}, r"unknown parameter\(s\) \['beta_fast'\]"),
-], ids=["no_factor", "unknown_parameter"])
-def test_a_missing_factor_or_an_unknown_parameter_changes_nothing(method, kwargs, message):
-    assert_refused_unchanged(method, kwargs, message)
+def test_an_unknown_parameter_changes_nothing(method):
+    assert_refused_unchanged(method, {"factor": 4, "beta_fast": 4}, r"unknown parameter\(s\) \['beta_fast'\]")

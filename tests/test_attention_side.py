@@ -27,20 +27,24 @@ def test_every_attention_side_method_is_registered_through_the_base():
         assert method.dynamic and not method.follows_length and method.needs_attention_interface
 
 
-@pytest.mark.parametrize("name, causal", [("self_extend", True), ("rerope", True), ("dca", False), ("sink_window", False),
-                                          ("string", False)])
+@pytest.mark.parametrize(
+    "name, causal", [("self_extend", True), ("rerope", True), ("dca", False), ("sink_window", False), ("string", False)]
+)
 def test_listed_parameters_are_the_ones_a_method_takes(name, causal):
     listed = rope_ext.methods()[name]["params"]
     assert "granularity" not in listed
     assert ("causal" in listed) is causal
 
 
-@pytest.mark.parametrize("name, params", [
-    ("self_extend", {"group": 3, "window": 16, **OLD_SCHEDULE, "logn": False}),
-    ("rerope", {"window": 16, "leak": 4, **OLD_SCHEDULE, "logn": False}),
-    ("dca", {"chunk_size": 48, "local_size": 4, **OLD_SCHEDULE, "logn": False}),
-    ("sink_window", {"sinks": 4, "window": 40, **OLD_SCHEDULE}),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("self_extend", {"group": 3, "window": 16, **OLD_SCHEDULE, "logn": False}),
+        ("rerope", {"window": 16, "leak": 4, **OLD_SCHEDULE, "logn": False}),
+        ("dca", {"chunk_size": 48, "local_size": 4, **OLD_SCHEDULE, "logn": False}),
+        ("sink_window", {"sinks": 4, "window": 40, **OLD_SCHEDULE}),
+    ],
+)
 def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path, name, params):
     ids = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(0))
     model = random_model("llama")
@@ -58,11 +62,14 @@ def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path,
         assert torch.equal(reloaded(ids).logits, expected)
 
 
-@pytest.mark.parametrize("name, params, message", [
-    ("dca", {"causal": False}, "causal and granularity do not apply"),
-    ("sink_window", {"granularity": 4}, "causal and granularity do not apply"),
-    ("self_extend", {"group": 3, "granularity": 2}, "granularity does not apply"),
-])
+@pytest.mark.parametrize(
+    "name, params, message",
+    [
+        ("dca", {"causal": False}, "causal and granularity do not apply"),
+        ("sink_window", {"granularity": 4}, "causal and granularity do not apply"),
+        ("self_extend", {"group": 3, "granularity": 2}, "granularity does not apply"),
+    ],
+)
 def test_an_old_schedule_parameter_away_from_its_default_is_refused(name, params, message):
     with pytest.raises(ValueError, match=message):
         rope_ext.patch(random_model("llama"), name, factor=2, **params)

@@ -44,17 +44,24 @@ def write_checkpoint(folder: Path, generation: str, seed: int = 0) -> Path:
     for path in FIXTURE.glob("*.py"):
         shutil.copy(path, folder)
     ratio = GENERATIONS[generation][0]
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "chatglm",
-        "architectures": ["ChatGLMForConditionalGeneration"],
-        "auto_map": {
-            "AutoConfig": "configuration_chatglm.ChatGLMConfig",
-            "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
-        },
-        "rope_ratio": ratio, "rope_generation": generation, "seq_length": WINDOW,
-        "pad_token_id": 0, "eos_token_id": 2,
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "chatglm",
+                "architectures": ["ChatGLMForConditionalGeneration"],
+                "auto_map": {
+                    "AutoConfig": "configuration_chatglm.ChatGLMConfig",
+                    "AutoModel": "modeling_chatglm.ChatGLMForConditionalGeneration",
+                    "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration",
+                },
+                "rope_ratio": ratio,
+                "rope_generation": generation,
+                "seq_length": WINDOW,
+                "pad_token_id": 0,
+                "eos_token_id": 2,
+            }
+        )
+    )
     config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
     generator = torch.Generator().manual_seed(seed)
@@ -121,16 +128,32 @@ def test_rope_ratio_meaning_is_read_from_the_live_module(checkpoints, generation
     del model.config.rope_generation  # the fixture's switch: the adapter must not need it
     info = rope_ext.patch(model, "linear", factor=4)
     record = model.config.rope_ext["original"]
-    assert (record["rope_ratio"], record["rope_ratio_meaning"], record["base"], record["position_ratio"]) == (ratio, meaning, base, position_ratio)
-    assert (info.base, info.original_window, info.max_length, info.rotary_dim, info.layout) == (base, WINDOW, 4 * WINDOW, 8, "interleaved")
+    assert (record["rope_ratio"], record["rope_ratio_meaning"], record["base"], record["position_ratio"]) == (
+        ratio,
+        meaning,
+        base,
+        position_ratio,
+    )
+    assert (info.base, info.original_window, info.max_length, info.rotary_dim, info.layout) == (
+        base,
+        WINDOW,
+        4 * WINDOW,
+        8,
+        "interleaved",
+    )
     # linear composes with the checkpoint's own scaling: theta_i / (position ratio * factor)
     theta = 1.0 / base ** (torch.arange(0, 8, 2).float() / 8)
     assert torch.allclose(model.transformer.rotary_pos_emb.scaled_inv_freq, theta / (position_ratio * 4), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("generation,dtype,position_dtype", [
-    ("chatglm2", torch.float16, "float16"), ("chatglm2", torch.bfloat16, "bfloat16"), ("chatglm3", torch.float16, "float32"),
-])
+@pytest.mark.parametrize(
+    "generation,dtype,position_dtype",
+    [
+        ("chatglm2", torch.float16, "float16"),
+        ("chatglm2", torch.bfloat16, "bfloat16"),
+        ("chatglm3", torch.float16, "float32"),
+    ],
+)
 def test_position_dtype_is_read_and_patched_positions_are_fp32(checkpoints, generation, dtype, position_dtype):
     model = load(checkpoints[generation], dtype=dtype)
     rotary = model.transformer.rotary_pos_emb
@@ -184,7 +207,9 @@ def test_converter_from_a_folder_needs_or_reads_the_ratio_meaning(checkpoints, t
 def test_convert_chatglm_to_an_existing_file(checkpoints, tmp_path, capsys):
     dst = tmp_path / "taken"
     dst.write_text("mine")
-    line = cli_error_line(["convert-chatglm", str(checkpoints["chatglm2"]), str(dst), "--rope-ratio-meaning", "positions"], capsys)
+    line = cli_error_line(
+        ["convert-chatglm", str(checkpoints["chatglm2"]), str(dst), "--rope-ratio-meaning", "positions"], capsys
+    )
     assert "taken is a file, not a folder" in line
     assert dst.read_text() == "mine"
 
@@ -214,7 +239,11 @@ def test_patched_remote_model_equals_converted_native_model_patched_the_same_way
     for method in METHODS:
         remote_info = rope_ext.patch(source, method, factor=4)
         native_info = rope_ext.patch(native, method, factor=4)
-        assert (remote_info.base, remote_info.original_window, remote_info.max_length) == (native_info.base, native_info.original_window, native_info.max_length)
+        assert (remote_info.base, remote_info.original_window, remote_info.max_length) == (
+            native_info.base,
+            native_info.original_window,
+            native_info.max_length,
+        )
         assert (remote_logits(source, x) - native_logits(native, x)).abs().max() <= TOL, method
         change = (remote_logits(source, inside) - plain).abs().max()
         if rope_ext.methods()[method]["dynamic"]:  # the checkpoint's own angles up to its window
@@ -235,7 +264,7 @@ def test_dynamic_decode_equals_full_forward_past_the_window(checkpoints, generat
         out = model(x[:, :prefill], position_ids=pos[:, :prefill])
         steps = [out.logits]
         for i in range(prefill, x.shape[1]):
-            out = model(x[:, i:i + 1], position_ids=pos[:, i:i + 1], past_key_values=out.past_key_values)
+            out = model(x[:, i : i + 1], position_ids=pos[:, i : i + 1], past_key_values=out.past_key_values)
             steps.append(out.logits)
         return torch.cat(steps, dim=1)
 
@@ -243,8 +272,8 @@ def test_dynamic_decode_equals_full_forward_past_the_window(checkpoints, generat
     full = remote_logits(model, x)
     assert (decode(WINDOW - 12) - full).abs().max() <= TOL
     with torch.no_grad():  # a prefill that crosses the window, then a chunk
-        first = model(x[:, :WINDOW + 5], position_ids=pos[:, :WINDOW + 5])
-        rest = model(x[:, WINDOW + 5:], position_ids=pos[:, WINDOW + 5:], past_key_values=first.past_key_values)
+        first = model(x[:, : WINDOW + 5], position_ids=pos[:, : WINDOW + 5])
+        rest = model(x[:, WINDOW + 5 :], position_ids=pos[:, WINDOW + 5 :], past_key_values=first.past_key_values)
     assert (torch.cat((first.logits, rest.logits), 1) - full).abs().max() <= TOL
     # One scaling per forward (transformers' schedule) is what makes decoding disagree; the test sees it.
     rope_ext.patch(model, method, factor=4, causal=False)
@@ -351,15 +380,20 @@ class NoBuffer(nn.Module):
         return torch.zeros(max_seq_len, 4, 2)
 
 
-@pytest.mark.parametrize("module,match", [
-    (WrongBase, r"matches no known ChatGLM rotary computation .*rope_ratio=50 multiplies the base, positions in float32: max deviation"),
-    (WrongShape, r"returned \(4100, 8, 2\); expected .*\(4100, 4, 2\)"),
-    (WrongSignature, r"raised TypeError.*expected `transformer.rotary_pos_emb`"),
-    (NoBuffer, r"found .*NoBuffer without an `inv_freq` buffer; expected"),
-])
+@pytest.mark.parametrize(
+    "module,match",
+    [
+        (
+            WrongBase,
+            r"matches no known ChatGLM rotary computation .*rope_ratio=50 multiplies the base, positions in float32: max deviation",
+        ),
+        (WrongShape, r"returned \(4100, 8, 2\); expected .*\(4100, 4, 2\)"),
+        (WrongSignature, r"raised TypeError.*expected `transformer.rotary_pos_emb`"),
+        (NoBuffer, r"found .*NoBuffer without an `inv_freq` buffer; expected"),
+    ],
+)
 def test_unknown_rotary_interface_is_refused_and_nothing_changes(checkpoints, module, match):
     model = load(checkpoints["chatglm3"])
-    x = ids(WINDOW)
     model.transformer.rotary_pos_emb = bad = module()
     config = copy.deepcopy(model.config.to_dict())
     with pytest.raises(ValueError, match=match):
@@ -367,7 +401,9 @@ def test_unknown_rotary_interface_is_refused_and_nothing_changes(checkpoints, mo
     assert model.transformer.rotary_pos_emb is bad and model.config.to_dict() == config
     assert not model.transformer._forward_pre_hooks
     del model.transformer.rotary_pos_emb
-    with pytest.raises(ValueError, match=r"found ChatGLMModel with children \['embedding', 'encoder', 'output_layer'\]; expected"):
+    with pytest.raises(
+        ValueError, match=r"found ChatGLMModel with children \['embedding', 'encoder', 'output_layer'\]; expected"
+    ):
         rope_ext.patch(model, "yarn", factor=4)
 
 

@@ -20,7 +20,8 @@ def decode_logits(model, ids, prefill):
 
 
 @pytest.mark.parametrize(
-    "method, params", [("dynamic", {"granularity": 32}), ("dynamic_yarn", {}), ("self_extend", {})],
+    "method, params",
+    [("dynamic", {"granularity": 32}), ("dynamic_yarn", {}), ("self_extend", {})],
 )
 def test_chunked_prefill_equals_token_by_token_decoding(tiny_model, heldout_ids, method, params):
     window = tiny_model.config.max_position_embeddings
@@ -50,8 +51,10 @@ def test_chunked_nll_equals_one_forward_and_bounds_the_logits(tiny_model, heldou
     def record_head(module, args, out):
         seen["rows"] = max(seen["rows"], out.shape[0])
 
-    hooks = [tiny_model.model.register_forward_pre_hook(record_body, with_kwargs=True),
-             tiny_model.lm_head.register_forward_hook(record_head)]
+    hooks = [
+        tiny_model.model.register_forward_pre_hook(record_body, with_kwargs=True),
+        tiny_model.lm_head.register_forward_hook(record_head),
+    ]
     nll = chunked.chunked_nll(tiny_model, ids, chunk_size=48)
     for hook in hooks:
         hook.remove()
@@ -139,8 +142,9 @@ def test_a_copied_prefix_continues_as_one_forward(tiny_model, heldout_ids, metho
     rest, copy = chunked.chunked_forward(tiny_model, ids[:, 200:], chunk_size=200, cache=copy)
     assert (rest - whole[:, 200:]).abs().max() <= 1e-4
     assert copy.get_seq_length() == 400 and kept.get_seq_length() == 300
-    again, _ = chunked.chunked_forward(tiny_model, other[:, 200:], chunk_size=100,
-                                       cache=rope_ext.copy_prefix(tiny_model, kept, 200))
+    again, _ = chunked.chunked_forward(
+        tiny_model, other[:, 200:], chunk_size=100, cache=rope_ext.copy_prefix(tiny_model, kept, 200)
+    )
     alone, _ = chunked.chunked_forward(tiny_model, other, chunk_size=300)
     assert (again - alone[:, 200:]).abs().max() <= 1e-4
 

@@ -54,9 +54,11 @@ def test_usage_errors_exit_2_and_failures_exit_1(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("command", list(cli.COMMANDS))
 def test_every_help_answers_without_torch(command):
-    code = ("import sys\nfrom rope_ext import cli\n"
-            f"try:\n    cli.main({command.split() + ['--help']!r})\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'lm_eval', 'peft')))")
+    code = (
+        "import sys\nfrom rope_ext import cli\n"
+        f"try:\n    cli.main({command.split() + ['--help']!r})\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'lm_eval', 'peft')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "usage: rope-ext" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "[]"
@@ -64,9 +66,11 @@ def test_every_help_answers_without_torch(command):
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"]])
 def test_top_level_help_and_version_start_without_torch(argv):
-    code = ("import sys\nfrom rope_ext import cli\n"
-            f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
-            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    code = (
+        "import sys\nfrom rope_ext import cli\n"
+        f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False False"
 
@@ -86,15 +90,6 @@ def test_no_progress_quiets_transformers_too(tmp_path, monkeypatch):
 # Late validation (issue #15): every spec and argument is checked before a model loads, and a bad
 # one is one clear line.
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load fails the test: the command must have refused before."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-    monkeypatch.setattr("rope_ext.defaults.load_smollm2", refuse)
-
 
 def test_compare_rejects_a_bad_spec_before_computing_the_good_ones(no_model, tmp_path, capsys):
     line = cli_error_line(["compare", "--methods", "plain", "ntk", "yarn:beta_fast=x", "--output", str(tmp_path / "c")], capsys)
@@ -102,33 +97,42 @@ def test_compare_rejects_a_bad_spec_before_computing_the_good_ones(no_model, tmp
     assert not (tmp_path / "c").exists()
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--factor", "1"], "factor"),
-    (["--methods", "plain,nope"], "unknown method 'nope'"),
-    (["--length", "1"], "--length"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--factor", "1"], "factor"),
+        (["--methods", "plain,nope"], "unknown method 'nope'"),
+        (["--length", "1"], "--length"),
+    ],
+)
 def test_demo_checks_everything_before_the_plain_row(no_model, tmp_path, capsys, argv, words):
     assert words in cli_error_line(["demo", *argv, "--output", str(tmp_path / "d")], capsys)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--method", "yarn", "--factor", "4", "--param", "beta_fast=x"], "beta_fast"),
-    (["--method", "yarn", "--factor", "4", "--original-window", "0"], "--original-window"),
-    (["--bucket", "0"], "--bucket"),
-    (["--data", "missing.txt"], "no such file"),
-    (["--min-tokens", "-1"], "--min-tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--method", "yarn", "--factor", "4", "--param", "beta_fast=x"], "beta_fast"),
+        (["--method", "yarn", "--factor", "4", "--original-window", "0"], "--original-window"),
+        (["--bucket", "0"], "--bucket"),
+        (["--data", "missing.txt"], "no such file"),
+        (["--min-tokens", "-1"], "--min-tokens"),
+    ],
+)
 def test_ppl_checks_everything_before_the_model_loads(no_model, tmp_path, capsys, argv, words, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert words in cli_error_line(["eval", "ppl", "--lengths", "64", *argv, "--output", str(tmp_path / "p")], capsys)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--depths", "1.5"], "--depths"),
-    (["--trials", "0"], "--trials"),
-    (["--method", "dynamic", "--factor", "2", "--param", "granularity=0"], "granularity"),
-    (["--resume"], "passkey.partial.json does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--depths", "1.5"], "--depths"),
+        (["--trials", "0"], "--trials"),
+        (["--method", "dynamic", "--factor", "2", "--param", "granularity=0"], "granularity"),
+        (["--resume"], "passkey.partial.json does not exist"),
+    ],
+)
 def test_passkey_checks_everything_before_the_model_loads(no_model, tmp_path, capsys, argv, words):
     assert words in cli_error_line(["eval", "passkey", *argv, "--output", str(tmp_path / "k")], capsys)
 
@@ -142,20 +146,39 @@ def test_an_existing_result_is_found_before_the_model_loads(no_model, tmp_path, 
 def test_ppl_refuses_a_binary_data_file_before_the_model_loads(no_model, tmp_path, capsys):
     path = tmp_path / "model.txt"
     path.write_bytes(b"\x00" * 64)
-    assert "binary" in cli_error_line(["eval", "ppl", "--lengths", "64", "--data", str(path), "--output", str(tmp_path / "p")], capsys)
+    assert "binary" in cli_error_line(
+        ["eval", "ppl", "--lengths", "64", "--data", str(path), "--output", str(tmp_path / "p")], capsys
+    )
 
 
 # The fine-tune recipe's command line.
+
 
 def test_every_yaml_key_has_a_flag():
     flagged = {key for _, key, _, _ in FLAGS}
     keys = {f"{section}.{name}" for section, values in DEFAULTS.items() for name in values}
     assert keys - flagged == {"patch.params"}  # --param KEY=VALUE, repeatable
-    cfg, _ = parse_args(["--exclude", "a,b", "--eval-source", "gutenberg", "--eval-include", "c",
-                         "--eval-split", "test", "--eval-text-field", "body"])
+    cfg, _ = parse_args(
+        [
+            "--exclude",
+            "a,b",
+            "--eval-source",
+            "gutenberg",
+            "--eval-include",
+            "c",
+            "--eval-split",
+            "test",
+            "--eval-text-field",
+            "body",
+        ]
+    )
     assert cfg["data"]["exclude"] == ["a", "b"]
     assert (cfg["eval"]["source"], cfg["eval"]["include"], cfg["eval"]["split"], cfg["eval"]["text_field"]) == (
-        "gutenberg", ["c"], "test", "body")
+        "gutenberg",
+        ["c"],
+        "test",
+        "body",
+    )
 
 
 def test_the_recipe_help_shows_the_defaults(capsys):

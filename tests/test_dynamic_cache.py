@@ -87,12 +87,12 @@ def test_greedy_generate_with_left_padding_matches_single_rows(tiny_model, tiny_
     long, short = heldout_ids[: window + 20], heldout_ids[1000 : 1000 + window - 10]
     batch = torch.full((2, len(long)), pad)
     batch[0] = long
-    batch[1, -len(short):] = short
+    batch[1, -len(short) :] = short
     mask = (torch.arange(len(long))[None] >= torch.tensor([[0], [len(long) - len(short)]])).long()
     settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=pad)
     with torch.no_grad():
-        together = tiny_model.generate(batch, attention_mask=mask, **settings)[:, len(long):]
-        alone = [tiny_model.generate(row[None], **settings)[0, len(row):] for row in (long, short)]
+        together = tiny_model.generate(batch, attention_mask=mask, **settings)[:, len(long) :]
+        alone = [tiny_model.generate(row[None], **settings)[0, len(row) :] for row in (long, short)]
     assert torch.equal(together[0], alone[0])
     assert torch.equal(together[1], alone[1])
 

@@ -15,9 +15,31 @@ def test_compare_methods_by_length(tiny_path, tmp_path):
     source = tmp_path / "heldout.txt"
     source.write_text(gutenberg_documents()["tempest_gut"][10000:40000])  # a held-out play
     out = tmp_path / "cmp"
-    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "dynamic", "dynamic:causal=false",
-            "--lengths", "128", "512", "--param", "dynamic:granularity=64", "--data", str(source),
-            "--bucket", "128", "--passkey-depths", "0.5", "--passkey-lengths", "128", "--output", str(out), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--methods",
+        "plain",
+        "yarn",
+        "dynamic",
+        "dynamic:causal=false",
+        "--lengths",
+        "128",
+        "512",
+        "--param",
+        "dynamic:granularity=64",
+        "--data",
+        str(source),
+        "--bucket",
+        "128",
+        "--passkey-depths",
+        "0.5",
+        "--passkey-lengths",
+        "128",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     with pytest.warns(UserWarning, match="plain at length 512"):
         assert compare.main(argv) == 0
     assert {p.name for p in out.iterdir()} == {"compare.json", "compare.md", "compare.png"}
@@ -28,14 +50,18 @@ def test_compare_methods_by_length(tiny_path, tmp_path):
     # the one-base-per-forward schedule differs from the causal one past the window, and costs inside it
     assert ppl["dynamic:causal=false"]["512"] != pytest.approx(ppl["dynamic"]["512"], rel=1e-3)
     assert [m["params"] for m in report["methods"] if m["method"] == "dynamic"] == [
-        {"granularity": 64}, {"causal": False, "granularity": 64}]
+        {"granularity": 64},
+        {"causal": False, "granularity": 64},
+    ]
     assert ppl["yarn"]["512"] < 0.95 * ppl["plain"]["512"]
     assert all(set(m["passkey"]["by_length"]) == {"128"} for m in report["methods"])
     table = (out / "compare.md").read_text()
     assert "| plain | - |" in table and "PPL @512" in table and "passkey @128" in table
     assert "passkey @512" not in table
     buckets = table.split("PPL at length 512 by position")[1]
-    assert "| 384-512 |" in buckets and "| dynamic:causal=false |" in buckets and buckets.count("**") >= 8  # a bold minimum per bucket
+    assert (
+        "| 384-512 |" in buckets and "| dynamic:causal=false |" in buckets and buckets.count("**") >= 8
+    )  # a bold minimum per bucket
 
 
 def test_bad_method_parameter_is_refused_before_loading(tmp_path):
@@ -56,8 +82,23 @@ def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
     from rope_ext.evals import plots
 
     out = tmp_path / "cmp"
-    argv = ["--model", str(tiny_path), "--methods", "plain", "yarn", "--lengths", "384", "512", "--passkey-lengths", "384",
-            "--ruler-samples", "2", "--output", str(out), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--methods",
+        "plain",
+        "yarn",
+        "--lengths",
+        "384",
+        "512",
+        "--passkey-lengths",
+        "384",
+        "--ruler-samples",
+        "2",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     with pytest.warns(UserWarning, match="plain at length 512"):
         assert compare.main(argv) == 0
     report = json.loads((out / "compare.json").read_text())

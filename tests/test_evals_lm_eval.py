@@ -31,18 +31,36 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
 
 # Bad --model_args: one line that names the key, exit status 2, and nothing loaded or run.
 
-@pytest.mark.parametrize("model_args, message", [
-    ("method=nope,factor=2", "model_args: unknown method 'nope'; valid methods: linear"),
-    ("method=yarn", "model_args: method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
-    ("method=yarn,factor=abc", "model_args: factor must be a finite number > 1 and <= 1048576, got 'abc'"),
-    ("factor=2", "model_args factor=2 needs a method=<"),
-    ("method=yarn,factor=2,beta_fst=16", "model_args key 'beta_fst' is not an argument of the rope_ext model type "
-                                         "(method, factor, original_window, max_length, and yarn's "),
-    ("bogus=1", "model_args key 'bogus' is not an argument"),
-])
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ("method=nope,factor=2", "model_args: unknown method 'nope'; valid methods: linear"),
+        ("method=yarn", "model_args: method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
+        ("method=yarn,factor=abc", "model_args: factor must be a finite number > 1 and <= 1048576, got 'abc'"),
+        ("factor=2", "model_args factor=2 needs a method=<"),
+        (
+            "method=yarn,factor=2,beta_fst=16",
+            "model_args key 'beta_fst' is not an argument of the rope_ext model type "
+            "(method, factor, original_window, max_length, and yarn's ",
+        ),
+        ("bogus=1", "model_args key 'bogus' is not an argument"),
+    ],
+)
 def test_bad_model_args_end_in_one_line(tiny_path, capsys, model_args, message):
-    rc = main(["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},{model_args}",
-               "--tasks", "rope_ext_passkey", "--device", "cpu"])
+    rc = main(
+        [
+            "run",
+            "--model",
+            "rope_ext",
+            "--model_args",
+            f"pretrained={tiny_path},{model_args}",
+            "--tasks",
+            "rope_ext_passkey",
+            "--device",
+            "cpu",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert err[-1].startswith(f"rope-ext lm-eval: error: {message}")
@@ -75,9 +93,22 @@ def test_tasks_run_through_lm_eval(tiny_path, tiny_tokenizer, tmp_path):
     source.write_text(text)
     metadata = {"passkey_lengths": [128, 256], "passkey_depths": [0.5], "passkey_trials": 2, "longppl_path": str(source)}
     out = tmp_path / "lm_eval"
-    main(["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=2",
-          "--tasks", "rope_ext_passkey,rope_ext_longppl", "--metadata", json.dumps(metadata),
-          "--output_path", str(out), "--log_samples"])
+    main(
+        [
+            "run",
+            "--model",
+            "rope_ext",
+            "--model_args",
+            f"pretrained={tiny_path},method=yarn,factor=2",
+            "--tasks",
+            "rope_ext_passkey,rope_ext_longppl",
+            "--metadata",
+            json.dumps(metadata),
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ]
+    )
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
 
@@ -121,8 +152,13 @@ def test_python_route_builds_the_tasks_for_the_evaluated_model(tiny_path, tiny_t
     manager = TaskManager(include_path=str(TASKS_DIR), metadata={"passkey_depths": [0.5], "passkey_trials": 1})
     monkeypatch.setattr(logging.getLogger("lm_eval"), "propagate", True)  # lm-eval's setup_logging turns it off
     with caplog.at_level(logging.WARNING):
-        out = lm_eval.simple_evaluate(model="rope_ext", model_args=f"pretrained={tiny_path},method=yarn,factor=2",
-                                      tasks=["rope_ext_passkey"], task_manager=manager, log_samples=True)
+        out = lm_eval.simple_evaluate(
+            model="rope_ext",
+            model_args=f"pretrained={tiny_path},method=yarn,factor=2",
+            tasks=["rope_ext_passkey"],
+            task_manager=manager,
+            log_samples=True,
+        )
     shortest = passkey_mod.minimum_length(tiny_tokenizer) + 10
     expected = [n for n in (64, 128, 256) if n >= shortest]
     passkey = out["results"]["rope_ext_passkey"]

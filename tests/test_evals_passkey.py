@@ -52,9 +52,17 @@ def test_an_oracle_scores_one(tiny_tokenizer):
 
 
 def test_a_random_model_scores_about_zero(tiny_tokenizer):
-    config = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=tiny_tokenizer.bos_token_id, eos_token_id=tiny_tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tiny_tokenizer.bos_token_id,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+    )
     model = LlamaForCausalLM(config).eval()
     answer = passkey.model_answerer(model, tiny_tokenizer, max_new_tokens=8)
     result = passkey.run_trials(answer, tiny_tokenizer, [200, 300], [0.5], trials=4, progress=False)
@@ -69,8 +77,22 @@ def test_first_integer():
 
 def test_cli_writes_json_table_and_heatmap(tiny_path, tmp_path):
     out = tmp_path / "pk"
-    argv = ["--model", str(tiny_path), "--lengths", "150", "256", "--depths", "0.5", "--trials", "2", "--limit", "3",
-            "--output", str(out), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--lengths",
+        "150",
+        "256",
+        "--depths",
+        "0.5",
+        "--trials",
+        "2",
+        "--limit",
+        "3",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     with pytest.warns(UserWarning, match="meant for 128"):
         assert passkey.main(argv) == 0
     saved = json.loads((out / "passkey.json").read_text())
@@ -100,8 +122,24 @@ def test_a_stopped_run_keeps_the_trials_it_answered(tiny_path, tmp_path, monkeyp
     monkeypatch.setattr(passkey, "model_answerer", answerer)
     out = tmp_path / "pk"
     with pytest.raises(KeyboardInterrupt):
-        passkey.main(["--model", str(tiny_path), "--lengths", "120", "--depths", "0.2", "0.8", "--trials", "2", "--max-new-tokens", "4",
-                      "--output", str(out), "--no-progress"])
+        passkey.main(
+            [
+                "--model",
+                str(tiny_path),
+                "--lengths",
+                "120",
+                "--depths",
+                "0.2",
+                "0.8",
+                "--trials",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
     kept = json.loads((out / passkey.PARTIAL).read_text())
     assert [(t["depth"], t["trial"]) for t in kept["trials"]] == [(0.8, 0), (0.8, 1)]  # the deepest key is asked first
     assert kept["accuracy"] == {"120": {"0.8": 1.0}} and kept["setup"]["seconds"] >= 0
@@ -120,7 +158,20 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
 
         return answer
 
-    argv = ["--model", str(tiny_path), "--lengths", "120", "--depths", "0.2", "0.8", "--trials", "2", "--max-new-tokens", "4", "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--lengths",
+        "120",
+        "--depths",
+        "0.2",
+        "0.8",
+        "--trials",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-progress",
+    ]
     monkeypatch.setattr(passkey, "model_answerer", answerer)
     assert passkey.main(argv + ["--output", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "passkey.json").read_text())
@@ -169,7 +220,7 @@ def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):
             ids = torch.cat((ids, tiny_model(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
             if ids[0, -1] == tiny_tokenizer.eos_token_id:
                 break
-    assert first == tiny_tokenizer.decode(ids[0, len(prompt.ids):], skip_special_tokens=True)
+    assert first == tiny_tokenizer.decode(ids[0, len(prompt.ids) :], skip_special_tokens=True)
 
 
 def test_answers_prefilled_in_chunks_are_the_same(tiny_model, tiny_tokenizer):
@@ -184,15 +235,21 @@ def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_
     rope_ext.patch(tiny_model, method, factor=4)
     prefilled = []
     hook = tiny_model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+        lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     grid = dict(lengths=[300, 500], depths=[0.1, 0.5, 0.9], trials=2)
     try:
-        alone = passkey.run_trials(passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6), tiny_tokenizer,
-                                   **grid, progress=False)
+        alone = passkey.run_trials(
+            passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6), tiny_tokenizer, **grid, progress=False
+        )
         whole = sum(n for n in prefilled if n > 1)
         prefilled.clear()
-        shared = passkey.run_trials(passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, share_prefix=True),
-                                    tiny_tokenizer, **grid, progress=False)
+        shared = passkey.run_trials(
+            passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, share_prefix=True),
+            tiny_tokenizer,
+            **grid,
+            progress=False,
+        )
     finally:
         hook.remove()
     assert [t["answer"] for t in shared["trials"]] == [t["answer"] for t in alone["trials"]]
@@ -200,8 +257,10 @@ def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_
     # per length: the deepest key's prompt whole, then each other one from where it leaves that one
     expected = 0
     for length in (300, 500):
-        heads = [passkey.build_prompt(tiny_tokenizer, length, d, passkey.trial_key(0, length, d, t)).ids[:-1]
-                 for d, t in sorted(((d, t) for d in (0.1, 0.5, 0.9) for t in range(2)), key=lambda c: (-c[0], c[1]))]
+        heads = [
+            passkey.build_prompt(tiny_tokenizer, length, d, passkey.trial_key(0, length, d, t)).ids[:-1]
+            for d, t in sorted(((d, t) for d in (0.1, 0.5, 0.9) for t in range(2)), key=lambda c: (-c[0], c[1]))
+        ]
         expected += len(heads[0]) + sum(len(h) - passkey.shared_prefix(heads[0], h) for h in heads[1:])
     assert sum(n for n in prefilled if n > 1) == expected < 0.7 * whole
 

@@ -21,9 +21,16 @@ BOS = 1
 def bigram_model(vocab: int = 48) -> LlamaForCausalLM:
     """A LLaMA whose attention and MLP outputs are zero: the residual stream stays the token's
     embedding, so p(next | context) depends on the current token alone: a bigram table."""
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -72,8 +79,10 @@ def test_perplexity_of_a_known_distribution_is_exact(length, stride, bos):
     model = bigram_model()
     table = bigram_log_probs(model)
     generator = torch.Generator().manual_seed(1)
-    docs = [Document("a", torch.randint(3, 48, (300,), generator=generator)),
-            Document("b", torch.randint(3, 48, (37,), generator=generator))]  # shorter than a window
+    docs = [
+        Document("a", torch.randint(3, 48, (300,), generator=generator)),
+        Document("b", torch.randint(3, 48, (37,), generator=generator)),
+    ]  # shorter than a window
     result = perplexity.evaluate(model, docs, [length], stride=stride, bos=bos, bos_id=BOS, progress=False)[length]
     nll, count, windows = 0.0, 0, []
     for doc in docs:
@@ -89,7 +98,11 @@ def test_perplexity_of_a_known_distribution_is_exact(length, stride, bos):
 
 def test_windows_follow_the_protocol():
     assert perplexity.plan_windows(10, 4, 2, bos=False) == [
-        perplexity.Window(0, 4, 1), perplexity.Window(2, 6, 4), perplexity.Window(4, 8, 6), perplexity.Window(6, 10, 8)]
+        perplexity.Window(0, 4, 1),
+        perplexity.Window(2, 6, 4),
+        perplexity.Window(4, 8, 6),
+        perplexity.Window(6, 10, 8),
+    ]
     assert perplexity.plan_windows(3, 8, 8, bos=True) == [perplexity.Window(0, 3, 0)]
     with pytest.raises(ValueError, match="stride"):
         perplexity.plan_windows(10, 4, 5, bos=False)
@@ -100,8 +113,7 @@ def heldout_docs(heldout_ids):
     return [Document("a", heldout_ids[:700]), Document("b", heldout_ids[5000:5450])]
 
 
-@pytest.mark.parametrize("method,params", [("plain", {}), ("yarn", {"factor": 2}),
-                                           ("dynamic", {"factor": 2, "granularity": 32})])
+@pytest.mark.parametrize("method,params", [("plain", {}), ("yarn", {"factor": 2}), ("dynamic", {"factor": 2, "granularity": 32})])
 def test_matches_the_reforward_protocol_on_the_trained_model(tiny_model, tiny_tokenizer, heldout_docs, method, params):
     if method != "plain":
         rope_ext.patch(tiny_model, method, **params)
@@ -115,8 +127,9 @@ def test_matches_the_reforward_protocol_on_the_trained_model(tiny_model, tiny_to
         assert ours["ppl"] < 100  # the trained model, not noise (uniform would be 1024)
 
 
-@pytest.mark.parametrize("method,params", [("plain", {}), ("sink_window", {"factor": 4, "sinks": 2, "window": 60}),
-                                           ("self_extend", {"factor": 4})])
+@pytest.mark.parametrize(
+    "method,params", [("plain", {}), ("sink_window", {"factor": 4, "sinks": 2, "window": 60}), ("self_extend", {"factor": 4})]
+)
 def test_chunks_through_the_cache_give_the_numbers_of_one_forward(tiny_model, heldout_docs, method, params):
     if method != "plain":
         rope_ext.patch(tiny_model, method, **params)
@@ -136,11 +149,14 @@ def count_forwards(model):
     return calls
 
 
-@pytest.mark.parametrize("method,params,exact", [
-    ("yarn", {"factor": 2}, True),
-    ("dynamic", {"factor": 2, "granularity": 32}, True),
-    ("dynamic", {"factor": 2, "causal": False}, False),
-])
+@pytest.mark.parametrize(
+    "method,params,exact",
+    [
+        ("yarn", {"factor": 2}, True),
+        ("dynamic", {"factor": 2, "granularity": 32}, True),
+        ("dynamic", {"factor": 2, "causal": False}, False),
+    ],
+)
 def test_shared_forwards_only_where_exact(tiny_model, heldout_docs, method, params, exact):
     rope_ext.patch(tiny_model, method, **params)
     calls = count_forwards(tiny_model)
@@ -216,12 +232,15 @@ def test_a_binary_file_is_not_text(tmp_path):
         data_mod.iter_texts(str(folder))
 
 
-@pytest.mark.parametrize("lines, match", [
-    (['{"text": "a"}', "", '{"text": "b"', '{"text": "c"}'], r"docs.jsonl:3: not valid JSON"),
-    (['{"text": 12345}'], r"docs.jsonl:1: field 'text' must be a string, got int 12345"),
-    (['{"text": "a"}', '["text"]'], r"docs.jsonl:2: expected a JSON object with a 'text' field, got list"),
-    (['{"body": "a"}'], r"docs.jsonl:1: no field 'text' \(fields: body\)"),
-])
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        (['{"text": "a"}', "", '{"text": "b"', '{"text": "c"}'], r"docs.jsonl:3: not valid JSON"),
+        (['{"text": 12345}'], r"docs.jsonl:1: field 'text' must be a string, got int 12345"),
+        (['{"text": "a"}', '["text"]'], r"docs.jsonl:2: expected a JSON object with a 'text' field, got list"),
+        (['{"body": "a"}'], r"docs.jsonl:1: no field 'text' \(fields: body\)"),
+    ],
+)
 def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, lines, match):
     path = tmp_path / "docs.jsonl"
     path.write_text("\n".join(lines) + "\n")

@@ -8,17 +8,20 @@ import json
 import pytest
 
 from rope_ext import cli
-from rope_ext.evals import loading, passkey, retrieval
+from rope_ext.evals import passkey, retrieval
 
 TRAINED = 128  # the tiny model's window
 
 
-@pytest.mark.parametrize("correct, total, expected", [
-    (8, 10, (0.4902, 0.9433)),  # Wilson's interval at 95%, computed by hand from its formula
-    (0, 10, (0.0, 0.2775)),
-    (10, 10, (0.7225, 1.0)),
-    (16, 20, (0.5840, 0.9193)),
-])
+@pytest.mark.parametrize(
+    "correct, total, expected",
+    [
+        (8, 10, (0.4902, 0.9433)),  # Wilson's interval at 95%, computed by hand from its formula
+        (0, 10, (0.0, 0.2775)),
+        (10, 10, (0.7225, 1.0)),
+        (16, 20, (0.5840, 0.9193)),
+    ],
+)
 def test_wilson_interval(correct, total, expected):
     low, high = retrieval.wilson(correct, total)
     assert (low, high) == pytest.approx(expected, abs=1e-4)
@@ -31,8 +34,21 @@ def test_wilson_refuses_impossible_counts(correct, total):
 
 
 def run_passkey(tiny_path, out, *extra) -> dict:
-    argv = ["--model", str(tiny_path), "--depths", "0.2", "0.8", "--trials", "2", "--max-new-tokens", "6",
-            "--no-progress", "--output", str(out), *extra]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--depths",
+        "0.2",
+        "0.8",
+        "--trials",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        "--output",
+        str(out),
+        *extra,
+    ]
     assert passkey.main(argv) == 0
     return json.loads((out / "passkey.json").read_text())
 
@@ -40,9 +56,21 @@ def run_passkey(tiny_path, out, *extra) -> dict:
 def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_path, tmp_path):
     base = run_passkey(tiny_path, tmp_path / "plain", "--lengths", str(TRAINED))
     assert base["counts_overall"]["total"] == 4 and base["counts"]["128"]["interval"] == list(
-        retrieval.wilson(base["counts"]["128"]["correct"], 4))
-    result = run_passkey(tiny_path, tmp_path / "yarn", "--lengths", "200", "256", "--method", "yarn", "--factor", "2",
-                         "--baseline", str(tmp_path / "plain"))
+        retrieval.wilson(base["counts"]["128"]["correct"], 4)
+    )
+    result = run_passkey(
+        tiny_path,
+        tmp_path / "yarn",
+        "--lengths",
+        "200",
+        "256",
+        "--method",
+        "yarn",
+        "--factor",
+        "2",
+        "--baseline",
+        str(tmp_path / "plain"),
+    )
     baseline = result["baseline"]
     assert baseline["length"] == TRAINED and baseline["total"] == 4
     assert baseline["accuracy"] == base["accuracy_overall"] and baseline["path"].endswith("plain/passkey.json")
@@ -55,40 +83,61 @@ def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_
     assert "retained" in table and "95% interval" in table and f"{TRAINED}-token window" in table
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded before the arguments were checked")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-    monkeypatch.setattr("rope_ext.defaults.load_smollm2", refuse)
-
-
 def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,)):
     trials_ = [{"length": n, "depth": d, "trial": t, "correct": True} for n in lengths for d in depths for t in range(trials)]
     path.mkdir()
-    (path / "passkey.json").write_text(json.dumps({"setup": {"method": method, "trials": trials, "seed": seed}, "trials": trials_}))
+    (path / "passkey.json").write_text(
+        json.dumps({"setup": {"method": method, "trials": trials, "seed": seed}, "trials": trials_})
+    )
     return path
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"depths": (0.5,)}, "other depths"),
-    ({"trials": 3}, "other trials"),
-    ({"seed": 7}, "other seed"),
-    ({"method": "yarn"}, "the baseline is the unpatched model"),
-    ({"lengths": (128, 256)}, "the baseline is one length"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"depths": (0.5,)}, "other depths"),
+        ({"trials": 3}, "other trials"),
+        ({"seed": 7}, "other seed"),
+        ({"method": "yarn"}, "the baseline is the unpatched model"),
+        ({"lengths": (128, 256)}, "the baseline is one length"),
+    ],
+)
 def test_a_baseline_that_does_not_match_is_refused_before_the_model_loads(no_model, tmp_path, capsys, change, words):
     base = baseline_file(tmp_path / "base", **change)
-    argv = ["eval", "passkey", "--depths", "0.2", "0.8", "--trials", "2", "--method", "yarn", "--factor", "2",
-            "--baseline", str(base), "--output", str(tmp_path / "out")]
+    argv = [
+        "eval",
+        "passkey",
+        "--depths",
+        "0.2",
+        "0.8",
+        "--trials",
+        "2",
+        "--method",
+        "yarn",
+        "--factor",
+        "2",
+        "--baseline",
+        str(base),
+        "--output",
+        str(tmp_path / "out"),
+    ]
     assert cli.main(argv) == 2
     assert words in capsys.readouterr().err
 
 
 def test_a_missing_baseline_is_refused_before_the_model_loads(no_model, tmp_path, capsys):
-    argv = ["eval", "passkey", "--method", "yarn", "--factor", "2", "--baseline", str(tmp_path / "nowhere.json"),
-            "--output", str(tmp_path / "out")]
+    argv = [
+        "eval",
+        "passkey",
+        "--method",
+        "yarn",
+        "--factor",
+        "2",
+        "--baseline",
+        str(tmp_path / "nowhere.json"),
+        "--output",
+        str(tmp_path / "out"),
+    ]
     assert cli.main(argv) == 2
     assert "nowhere.json does not exist" in capsys.readouterr().err
 

@@ -13,14 +13,30 @@ from rope_ext.evals.lm_eval_model import main, with_task_tokenizer
 def test_ruler_builds_its_prompts_with_the_evaluated_models_tokenizer(tiny_path, tiny_tokenizer, tmp_path, monkeypatch):
     """No pretrained in --model_args (the embedded model, the tiny one here) and no tokenizer in
     --metadata: without the tokenizer rope-ext names, lm-eval's RULER task has none to build with."""
+
     def embedded(name):
         return str(tiny_path) if name in (None, "", SMOLLM2) else name
 
     monkeypatch.setattr(lm_eval_model, "resolve_checkpoint", embedded)
     out = tmp_path / "ruler"
-    rc = main(["run", "--model", "rope_ext", "--model_args", "method=yarn,factor=4", "--tasks", "niah_single_1",
-               "--metadata", json.dumps({"max_seq_lengths": [512]}), "--limit", "2", "--output_path", str(out),
-               "--log_samples"])
+    rc = main(
+        [
+            "run",
+            "--model",
+            "rope_ext",
+            "--model_args",
+            "method=yarn,factor=4",
+            "--tasks",
+            "niah_single_1",
+            "--metadata",
+            json.dumps({"max_seq_lengths": [512]}),
+            "--limit",
+            "2",
+            "--output_path",
+            str(out),
+            "--log_samples",
+        ]
+    )
     assert rc == 0
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]["niah_single_1"]
@@ -35,7 +51,10 @@ def test_ruler_builds_its_prompts_with_the_evaluated_models_tokenizer(tiny_path,
 
 def test_a_tokenizer_the_user_names_is_kept(monkeypatch):
     monkeypatch.setattr(lm_eval_model, "resolve_checkpoint", lambda name: f"resolved:{name}")
-    assert with_task_tokenizer({"pretrained": "x"}, {"max_seq_lengths": [512]}) == {"max_seq_lengths": [512], "tokenizer": "resolved:x"}
+    assert with_task_tokenizer({"pretrained": "x"}, {"max_seq_lengths": [512]}) == {
+        "max_seq_lengths": [512],
+        "tokenizer": "resolved:x",
+    }
     assert with_task_tokenizer({}, {}) == {"tokenizer": "resolved:None"}
     assert with_task_tokenizer({"pretrained": "x"}, {"tokenizer": "mine"}) == {"tokenizer": "mine"}
     assert with_task_tokenizer({"pretrained": "x", "tokenizer": "its own"}, {}) == {}  # lm-eval merges model_args in

@@ -58,8 +58,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def ddp_run(tiny_path, tmp_path_factory):
     """(output folder, train_log) of the README's CPU DDP run, with --merge."""
     out = tmp_path_factory.mktemp("finetune") / "ddp"
-    cmd = [*_accelerate_launch(), "--config_file", str(ROOT / "recipes/configs/accelerate/cpu_ddp.yaml"), str(RECIPE),
-           "--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out), "--merge"]
+    cmd = [
+        *_accelerate_launch(),
+        "--config_file",
+        str(ROOT / "recipes/configs/accelerate/cpu_ddp.yaml"),
+        str(RECIPE),
+        "--config",
+        str(TINY_CONFIG),
+        "--model",
+        str(tiny_path),
+        "--out",
+        str(out),
+        "--merge",
+    ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -97,8 +108,10 @@ def test_finetune_beats_the_training_free_patch(ddp_run, tiny_path):
     before = evaluate(patched, docs, [128, 512], progress=False)
     tuned = load_finetuned(out, dtype=torch.float32)
     after = evaluate(tuned, docs, [128, 512], progress=False)
-    print(f"\nheld-out PPL, yarn x4 patch alone: {before[128]['ppl']:.2f} at 128, {before[512]['ppl']:.2f} at 512; "
-          f"after the fine-tune: {after[128]['ppl']:.2f} at 128, {after[512]['ppl']:.2f} at 512")
+    print(
+        f"\nheld-out PPL, yarn x4 patch alone: {before[128]['ppl']:.2f} at 128, {before[512]['ppl']:.2f} at 512; "
+        f"after the fine-tune: {after[128]['ppl']:.2f} at 128, {after[512]['ppl']:.2f} at 512"
+    )
     assert after[512]["ppl"] < 0.93 * before[512]["ppl"]
     # The recipe's own evals (step 0 and the last step) are the same numbers: the saved adapter
     # reloads into the model that was trained.
@@ -130,8 +143,24 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_path, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    args = _run_args(tiny_path, out, "--max-steps", "4", "--warmup-steps", "1", "--save-every", "2",
-                     "--seq-len", "256", "--s2-groups", "2", "--lora-dropout", "0.1", "--eval-every", "0")
+    args = _run_args(
+        tiny_path,
+        out,
+        "--max-steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--save-every",
+        "2",
+        "--seq-len",
+        "256",
+        "--s2-groups",
+        "2",
+        "--lora-dropout",
+        "0.1",
+        "--eval-every",
+        "0",
+    )
     main(args)
     uninterrupted = load_file(out / "adapter_model.safetensors")
     assert [p.name for p in checkpoints(out)] == ["step-2"]

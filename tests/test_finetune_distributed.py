@@ -35,8 +35,22 @@ ACCELERATE = ROOT / "recipes" / "configs" / "accelerate"
 TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 # 4 steps of 2 x 256 tokens, a checkpoint after step 2, dropout (whose draws the per-rank RNG in
 # the checkpoint must restore) and held-out evals at steps 0, 2 and 4.
-SHORT = ["--max-steps", "4", "--warmup-steps", "1", "--seq-len", "256", "--save-every", "2", "--lora-dropout", "0.1",
-         "--eval-every", "2", "--eval-tokens", "2048"]
+SHORT = [
+    "--max-steps",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--seq-len",
+    "256",
+    "--save-every",
+    "2",
+    "--lora-dropout",
+    "0.1",
+    "--eval-every",
+    "2",
+    "--eval-tokens",
+    "2048",
+]
 
 
 def _launch(config: str, script: Path, args: list[str], *extra: str) -> None:
@@ -44,11 +58,21 @@ def _launch(config: str, script: Path, args: list[str], *extra: str) -> None:
     launcher = Path(sys.executable).with_name("accelerate")
     # port 0: accelerate picks a free port, so that another launch on the machine (the configs'
     # default is 29500) makes this one neither fail nor join it
-    cmd = [str(launcher), "launch", "--config_file", str(ACCELERATE / config), "--main_process_port", "0", *extra,
-           str(script), *args]
+    cmd = [
+        str(launcher),
+        "launch",
+        "--config_file",
+        str(ACCELERATE / config),
+        "--main_process_port",
+        "0",
+        *extra,
+        str(script),
+        *args,
+    ]
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode:
         pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     print(f"\n{script.name} under {config}: {time.perf_counter() - started:.1f} s wall")
@@ -82,8 +106,9 @@ def fsdp2(tiny_path, tmp_path_factory) -> dict:
     args = ["--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out), *SHORT]
     # fsdp2.yaml asks for bf16; on a CPU the recipe trains fp32 (training.precision auto), and the
     # Accelerator __main__ builds must agree with the recipe's.
-    return _interrupted_and_resumed(out, lambda extra: _launch("fsdp2.yaml", Path(__file__), [*args, *extra],
-                                                               "--mixed_precision", "no"))
+    return _interrupted_and_resumed(
+        out, lambda extra: _launch("fsdp2.yaml", Path(__file__), [*args, *extra], "--mixed_precision", "no")
+    )
 
 
 def _assert_same_run(a: tuple, b: tuple, exact: bool) -> None:
@@ -127,8 +152,13 @@ def test_fsdp2_checkpoint_holds_only_the_trained_weights(fsdp2):
 
     (checkpoint,) = checkpoints(fsdp2["out"])
     assert {p.name for p in checkpoint.iterdir()} == {
-        "pytorch_model_fsdp_0", "optimizer_0", "custom_checkpoint_0.pkl", "random_states_0.pkl", "random_states_1.pkl",
-        "trainer_state.json"}
+        "pytorch_model_fsdp_0",
+        "optimizer_0",
+        "custom_checkpoint_0.pkl",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "trainer_state.json",
+    }
     weights = dcp.FileSystemReader(str(checkpoint / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
     # the LoRA weights and the trainable norms (finetune_tiny.yaml); no projection, no MLP, no embedding
     assert {k.split(".")[-2] for k in weights if "lora_" not in k} == {"input_layernorm", "post_attention_layernorm", "norm"}

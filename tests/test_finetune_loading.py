@@ -27,8 +27,29 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(tiny_path, out: Path, method: str) -> Path:
-    main(["--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out), "--method", method, "--merge",
-          "--max-steps", "4", "--warmup-steps", "1", "--seq-len", "256", "--eval-every", "0", "--save-every", "0"])
+    main(
+        [
+            "--config",
+            str(TINY_CONFIG),
+            "--model",
+            str(tiny_path),
+            "--out",
+            str(out),
+            "--method",
+            method,
+            "--merge",
+            "--max-steps",
+            "4",
+            "--warmup-steps",
+            "1",
+            "--seq-len",
+            "256",
+            "--eval-every",
+            "0",
+            "--save-every",
+            "0",
+        ]
+    )
     return out
 
 
@@ -56,8 +77,7 @@ def _logits(model, ids):
 
 def _peft_documented_load(out: Path):
     """peft's own recipe: the base the adapter config names, then the adapter."""
-    base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(str(out)).base_model_name_or_path,
-                                                dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(PeftConfig.from_pretrained(str(out)).base_model_name_or_path, dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(out))
 
 
@@ -73,7 +93,8 @@ def test_the_fine_tune_record_keeps_its_bytes(yarn_run, tiny_path):
         "version": 1,
         "base_model": str(tiny_path),
         "patch": {
-            "method": "yarn", "factor": 4.0,
+            "method": "yarn",
+            "factor": 4.0,
             "params": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None},
             "original_window": 128,
         },
@@ -107,16 +128,29 @@ def test_the_plain_base_is_the_patched_config_over_linked_weights(yarn_run, tiny
 
 def test_merged_weights_load_exactly_in_plain_transformers(yarn_run, ids):
     merged = yarn_run / "merged"
-    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), ids),
-                               _logits(rope_ext.from_pretrained(merged, dtype=torch.float32), ids), atol=0, rtol=0)
+    torch.testing.assert_close(
+        _logits(AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32), ids),
+        _logits(rope_ext.from_pretrained(merged, dtype=torch.float32), ids),
+        atol=0,
+        rtol=0,
+    )
 
 
-@pytest.mark.parametrize("load, error", [
-    (PLAIN_LOADS["AutoPeftModelForCausalLM"], "Can't find 'adapter_config.json'"),
-    (PLAIN_LOADS["transformers AutoModelForCausalLM"], "Unrecognized model"),
-    (lambda out: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
-        json.loads((out / "rope_ext_finetune.json").read_text())["base_model"]), str(out)), "Can't find 'adapter_config.json'"),
-], ids=["AutoPeftModelForCausalLM", "transformers AutoModelForCausalLM", "PeftModel on the base"])
+@pytest.mark.parametrize(
+    "load, error",
+    [
+        (PLAIN_LOADS["AutoPeftModelForCausalLM"], "Can't find 'adapter_config.json'"),
+        (PLAIN_LOADS["transformers AutoModelForCausalLM"], "Unrecognized model"),
+        (
+            lambda out: PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(json.loads((out / "rope_ext_finetune.json").read_text())["base_model"]),
+                str(out),
+            ),
+            "Can't find 'adapter_config.json'",
+        ),
+    ],
+    ids=["AutoPeftModelForCausalLM", "transformers AutoModelForCausalLM", "PeftModel on the base"],
+)
 def test_plain_loads_are_refused_when_transformers_cannot_express_the_patch(self_extend_run, load, error):
     out, _ = self_extend_run
     with pytest.raises(ValueError, match=error):
@@ -135,5 +169,6 @@ def test_the_refused_folder_still_loads_through_rope_ext_and_says_so(self_extend
     base = rope_ext.from_pretrained(tiny_path, dtype=torch.float32)
     rope_ext.patch(base, "self_extend", 4)
     assert (_logits(tuned, ids) - _logits(base, ids)).abs().max() > 1e-3  # the adapter is attached
-    torch.testing.assert_close(_logits(rope_ext.from_pretrained(out / "merged", dtype=torch.float32), ids),
-                               _logits(tuned, ids), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _logits(rope_ext.from_pretrained(out / "merged", dtype=torch.float32), ids), _logits(tuned, ids), atol=2e-4, rtol=1e-4
+    )

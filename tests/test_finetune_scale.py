@@ -52,7 +52,12 @@ def test_checkpoints_hold_the_trained_weights_and_resume_exactly(tiny_path, tmp_
     trained = load_file(checkpoint / TRAINED_STATE)
     # LoRA, the trained embeddings (and the head tied to them) and norms; no projection, no MLP
     assert {k.split(".")[-2] for k in trained if "lora_" not in k} == {
-        "embed_tokens", "lm_head", "input_layernorm", "post_attention_layernorm", "norm"}
+        "embed_tokens",
+        "lm_head",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "norm",
+    }
     assert torch.equal(trained["base_model.model.lm_head.weight"], trained["base_model.model.model.embed_tokens.weight"])
     assert sum(t.numel() for k, t in trained.items() if "lm_head" not in k) == first["trainable_params"]
     weights = 4 * sum(t.numel() for t in trained.values())  # float32
@@ -76,8 +81,9 @@ def test_per_step_log_trackers_and_loss_curve(tiny_path, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    log = main(_args(tiny_path, out, "--save-every", "0", "--eval-every", "2", "--eval-tokens", "2048",
-                     "--log-with", "tensorboard"))
+    log = main(
+        _args(tiny_path, out, "--save-every", "0", "--eval-every", "2", "--eval-tokens", "2048", "--log-with", "tensorboard")
+    )
     history = log["history"]
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     # the learning rate each step trained with: warmup from 0 over 1 step, then cosine decay to 0
@@ -119,10 +125,17 @@ def test_a_bfloat16_base_trains_with_float32_adapters(tiny_path, tmp_path):
     """--dtype bfloat16 on CPU: bf16 autocast over bf16 base weights, the trained weights in float32;
     the training-free perplexity is the float32 one to bf16 precision. In a process of its own:
     accelerate fixes one mixed precision per process."""
-    bf16_args = _args(tiny_path, tmp_path / "bf16", "--dtype", "bfloat16", "--save-every", "0", "--eval-every", "4",
-                      "--eval-tokens", "2048")
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "finetune.py"), *bf16_args], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    bf16_args = _args(
+        tiny_path, tmp_path / "bf16", "--dtype", "bfloat16", "--save-every", "0", "--eval-every", "4", "--eval-tokens", "2048"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "finetune.py"), *bf16_args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     bf16 = json.loads((tmp_path / "bf16" / "train_log.json").read_text())
     fp32 = main(_args(tiny_path, tmp_path / "fp32", "--save-every", "0", "--eval-every", "4", "--eval-tokens", "2048"))
@@ -134,18 +147,22 @@ def test_a_bfloat16_base_trains_with_float32_adapters(tiny_path, tmp_path):
     assert before_bf16 != before_fp32 and before_bf16 == pytest.approx(before_fp32, rel=0.02)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--dtype", "float64"], "model.dtype must be one of float32, bfloat16, float16"),
-    (["--dtype", "bfloat16", "--precision", "no"], "model.dtype bfloat16 trains under bf16 autocast"),
-    (["--dtype", "float16", "--precision", "bf16"], "model.dtype float16 trains under fp16 autocast"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dtype", "float64"], "model.dtype must be one of float32, bfloat16, float16"),
+        (["--dtype", "bfloat16", "--precision", "no"], "model.dtype bfloat16 trains under bf16 autocast"),
+        (["--dtype", "float16", "--precision", "bf16"], "model.dtype float16 trains under fp16 autocast"),
+    ],
+)
 def test_base_dtype_settings_are_checked(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(["--config", str(TINY_CONFIG), *extra])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available(),
-                    reason="QLoRA can run here")
+@pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available(), reason="QLoRA can run here"
+)
 def test_a_4bit_base_is_refused_without_bitsandbytes_and_cuda(tiny_path, tmp_path):
     out = tmp_path / "run"
     lacking = "bitsandbytes" if importlib.util.find_spec("bitsandbytes") is None else "CUDA GPU"

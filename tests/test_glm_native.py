@@ -22,16 +22,39 @@ NATIVE = {
     "ntk": ({}, {"rope_theta": 10000.0 * 4 ** (8 / 6)}, 4 * WINDOW),
     "dynamic": ({"causal": False}, {"rope_type": "dynamic", "factor": 4.0}, WINDOW),
     "yarn": ({}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW}, 4 * WINDOW),
-    "ntk_by_parts": ({}, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW, "attention_factor": 1.0}, 4 * WINDOW),
-    "llama3": ({}, {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": WINDOW, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, 4 * WINDOW),
+    "ntk_by_parts": (
+        {},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW, "attention_factor": 1.0},
+        4 * WINDOW,
+    ),
+    "llama3": (
+        {},
+        {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": WINDOW,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        4 * WINDOW,
+    ),
 }
 
 
 def glm(model_type="glm", rope=None, max_positions=WINDOW, state=None):
     config = AutoConfig.for_model(
-        model_type, vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=max_positions, rope_parameters={**DEFAULT, **(rope or {})},
-        pad_token_id=0, eos_token_id=2,
+        model_type,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_positions,
+        rope_parameters={**DEFAULT, **(rope or {})},
+        pad_token_id=0,
+        eos_token_id=2,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -112,7 +135,9 @@ def test_linear_scaled_checkpoint_is_patched_on_top_of_its_scaling(tmp_path):
     # window-dependent methods see the window in the checkpoint's position units (32 / 4 = 8)
     rope_ext.patch(model, "yarn", factor=2)
     yarn_in_position_units = glm(
-        rope={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": WINDOW // 4}, max_positions=WINDOW // 2, state=state
+        rope={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": WINDOW // 4},
+        max_positions=WINDOW // 2,
+        state=state,
     )
     yarn_in_position_units.model.rotary_emb.inv_freq /= 4  # then divide positions by the checkpoint's ratio
     assert (logits(model, x) - logits(yarn_in_position_units, x)).abs().max() <= 1e-5

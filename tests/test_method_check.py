@@ -8,9 +8,8 @@ import re
 
 import pytest
 import yaml
-from helpers import random_model
+from helpers import cli_error_line, random_model
 from lm_eval.models.huggingface import HFLM
-from test_reliability_inputs import no_model, refused  # noqa: F401 (no_model is a fixture)
 
 import rope_ext
 from rope_ext import method as methods
@@ -65,7 +64,7 @@ def test_the_eval_commands_refuse_through_check_before_the_model_loads(no_model,
     argv = ["eval", "ppl", "--lengths", "64", "--method", name, "--output", str(tmp_path / "p")]
     argv += [] if factor is None else ["--factor", str(factor)]
     argv += [arg for key, value in params.items() for arg in ("--param", f"{key}={value}")]
-    assert refused(argv, capsys) == f"rope-ext eval ppl: error: {message_of(name, factor, params)}"
+    assert cli_error_line(argv, capsys) == f"rope-ext eval ppl: error: {message_of(name, factor, params)}"
 
 
 @pytest.mark.parametrize("name, factor, params, message", FAULTS, ids=IDS)

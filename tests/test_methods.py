@@ -16,8 +16,11 @@ GEOMETRIES = [RotaryGeometry(64, 1e5, 8192), RotaryGeometry(16, 1e4, 128), Rotar
 
 def hf_config(geom, rope):
     return LlamaConfig(
-        hidden_size=geom.rotary_dim * 2, num_attention_heads=2, head_dim=geom.rotary_dim,
-        max_position_embeddings=geom.original_window, rope_parameters={"rope_theta": geom.base, **rope},
+        hidden_size=geom.rotary_dim * 2,
+        num_attention_heads=2,
+        head_dim=geom.rotary_dim,
+        max_position_embeddings=geom.original_window,
+        rope_parameters={"rope_theta": geom.base, **rope},
     )
 
 
@@ -91,8 +94,13 @@ def test_registry_lists_methods_with_parameters():
 @pytest.mark.parametrize(
     "factor,params,match",
     [
-        (1.0, {}, "factor"), (0.5, {}, "factor"), (float("nan"), {}, "factor"), (float("inf"), {}, "factor"),
-        ("4", {}, "factor"), (4, {"beta": 3}, "unknown parameter"), (4, {"beta_fast": 1, "beta_slow": 2}, "beta_fast"),
+        (1.0, {}, "factor"),
+        (0.5, {}, "factor"),
+        (float("nan"), {}, "factor"),
+        (float("inf"), {}, "factor"),
+        ("4", {}, "factor"),
+        (4, {"beta": 3}, "unknown parameter"),
+        (4, {"beta_fast": 1, "beta_slow": 2}, "beta_fast"),
         (4, {"beta_fast": float("nan")}, "finite"),
     ],
 )
@@ -107,7 +115,7 @@ def test_unknown_method_lists_valid_ones():
 
 
 def test_alibi_slopes():
-    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -k for k in range(1, 9)]))
+    assert torch.allclose(alibi_slopes(8), torch.tensor([2.0**-k for k in range(1, 9)]))
     twelve = alibi_slopes(12)
     assert torch.allclose(twelve[:8], alibi_slopes(8))
     assert torch.allclose(twelve[8:], torch.tensor([2.0 ** (-(2 * k - 1) / 2) for k in range(1, 5)]))

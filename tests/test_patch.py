@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertModel, DynamicCache
+from transformers import BertConfig, BertModel
 from transformers.utils import logging as hf_logging
 
 import rope_ext
@@ -25,13 +25,20 @@ NATIVE = {
     "yarn": ({}, lambda: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW}, None),
     "llama3": (
         {},
-        lambda: {"rope_type": "llama3", "factor": 4.0, "original_max_position_embeddings": WINDOW,
-                 "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        lambda: {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": WINDOW,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
         None,
     ),
     "ntk": ({}, lambda: {"rope_type": "default", "rope_theta": 10000.0 * 4 ** (16 / 14)}, None),
     "ntk_by_parts": (
-        {}, lambda: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW, "attention_factor": 1.0}, None,
+        {},
+        lambda: {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": WINDOW, "attention_factor": 1.0},
+        None,
     ),
 }
 
@@ -84,8 +91,10 @@ def test_repatching_replaces_instead_of_compounding():
 
 
 def test_checkpoint_with_existing_yarn_scaling_composes_from_its_original_window():
-    scaled = random_model(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                          "original_max_position_embeddings": WINDOW}, max_position_embeddings=2 * WINDOW)
+    scaled = random_model(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": WINDOW},
+        max_position_embeddings=2 * WINDOW,
+    )
     plain = random_model()
     info = rope_ext.patch(scaled, "ntk", factor=4)
     rope_ext.patch(plain, "ntk", factor=4)
@@ -97,8 +106,9 @@ def test_checkpoint_with_existing_yarn_scaling_composes_from_its_original_window
 
 
 def test_checkpoint_with_linear_scaling_needs_its_original_window():
-    scaled = random_model(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-                          max_position_embeddings=2 * WINDOW)
+    scaled = random_model(
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, max_position_embeddings=2 * WINDOW
+    )
     with pytest.raises(ValueError, match="original_window"):
         rope_ext.patch(scaled, "yarn", factor=4)
     assert not isinstance(scaled.model.rotary_emb, ExtendedRotaryEmbedding)
@@ -185,6 +195,7 @@ def test_dynamic_static_cache_is_refused_clearly():
 
 # Numbers: other numeric types that mean a number count; bools, strings and extremes do not.
 
+
 @pytest.fixture(scope="module")
 def small():
     return random_model()
@@ -213,21 +224,24 @@ def test_parameters_of_other_numeric_types_are_stored_as_python_numbers(small):
         rope_ext.unpatch(small)
 
 
-@pytest.mark.parametrize("method, kwargs, match", [
-    ("ntk", {"factor": True}, r"factor must be a finite number > 1 and <= 1048576, got True"),
-    ("ntk", {"factor": "4"}, r"factor must be a finite number > 1 .*got '4'"),
-    ("ntk", {"factor": torch.tensor([4.0])}, r"factor must be a finite number"),
-    ("ntk", {"factor": 1e308}, r"factor must be a finite number > 1 and <= 1048576, got 1e\+308"),
-    ("yarn", {"factor": 4, "beta_fast": True}, r"yarn: parameter beta_fast must be a number, got True"),
-    ("yarn", {"factor": 4, "truncate": 1}, r"yarn: truncate must be True or False, got 1"),
-    ("yarn", {"factor": 4, "attention_factor": 1e300}, r"attention_factor must be in \(0, 100\]"),
-    ("dynamic", {"factor": 4, "granularity": 2**70}, r"granularity must be an int in \[1, 2147483647\]"),
-    ("dynamic", {"factor": 4, "granularity": 4.0}, r"granularity must be an int in \[1, 2147483647\], got 4.0"),
-    ("self_extend", {"group": 2**70}, r"self_extend: group .* must be an int in \[1, 2147483647\]"),
-    ("alibi_hybrid", {"factor": 4, "w": 2**70}, r"alibi_hybrid: w .* must be an int in \[0, 2147483647\]"),
-    ("alibi_hybrid", {"factor": 4, "slope_scale": 1e300}, r"slope_scale must be a finite number in \(0, 1e\+06\]"),
-    ("ntk", {"factor": 4, "original_window": 2**70}, r"original_window must be an int in \[1, 2147483647\]"),
-])
+@pytest.mark.parametrize(
+    "method, kwargs, match",
+    [
+        ("ntk", {"factor": True}, r"factor must be a finite number > 1 and <= 1048576, got True"),
+        ("ntk", {"factor": "4"}, r"factor must be a finite number > 1 .*got '4'"),
+        ("ntk", {"factor": torch.tensor([4.0])}, r"factor must be a finite number"),
+        ("ntk", {"factor": 1e308}, r"factor must be a finite number > 1 and <= 1048576, got 1e\+308"),
+        ("yarn", {"factor": 4, "beta_fast": True}, r"yarn: parameter beta_fast must be a number, got True"),
+        ("yarn", {"factor": 4, "truncate": 1}, r"yarn: truncate must be True or False, got 1"),
+        ("yarn", {"factor": 4, "attention_factor": 1e300}, r"attention_factor must be in \(0, 100\]"),
+        ("dynamic", {"factor": 4, "granularity": 2**70}, r"granularity must be an int in \[1, 2147483647\]"),
+        ("dynamic", {"factor": 4, "granularity": 4.0}, r"granularity must be an int in \[1, 2147483647\], got 4.0"),
+        ("self_extend", {"group": 2**70}, r"self_extend: group .* must be an int in \[1, 2147483647\]"),
+        ("alibi_hybrid", {"factor": 4, "w": 2**70}, r"alibi_hybrid: w .* must be an int in \[0, 2147483647\]"),
+        ("alibi_hybrid", {"factor": 4, "slope_scale": 1e300}, r"slope_scale must be a finite number in \(0, 1e\+06\]"),
+        ("ntk", {"factor": 4, "original_window": 2**70}, r"original_window must be an int in \[1, 2147483647\]"),
+    ],
+)
 def test_numbers_out_of_type_or_range_are_refused_with_what_is_accepted(small, method, kwargs, match):
     before = [p.clone() for p in small.buffers()]
     with pytest.raises(ValueError, match=match):
@@ -236,12 +250,15 @@ def test_numbers_out_of_type_or_range_are_refused_with_what_is_accepted(small, m
     assert all(torch.equal(a, b) for a, b in zip(before, small.buffers()))
 
 
-@pytest.mark.parametrize("method, kwargs", [
-    ("yarn", {"factor": 4, "beta_fast": 1e300}),
-    ("yarn", {"factor": 4, "attention_factor": 100}),
-    ("alibi_hybrid", {"factor": 4, "slope_scale": 1e6}),
-    ("llama3", {"factor": 4, "high_freq_factor": 1e300}),
-])
+@pytest.mark.parametrize(
+    "method, kwargs",
+    [
+        ("yarn", {"factor": 4, "beta_fast": 1e300}),
+        ("yarn", {"factor": 4, "attention_factor": 100}),
+        ("alibi_hybrid", {"factor": 4, "slope_scale": 1e6}),
+        ("llama3", {"factor": 4, "high_freq_factor": 1e300}),
+    ],
+)
 def test_the_largest_accepted_values_keep_the_logits_finite(small, method, kwargs):
     rope_ext.patch(small, method, **kwargs)
     try:
@@ -302,9 +319,15 @@ def test_deep_copy_is_an_independent_patched_model(tiny_model, tiny_path, text, 
     assert rope_ext.describe(twin)["method"] == "yarn" and rope_ext.describe(tiny_model) is None
 
 
-@pytest.mark.parametrize("cast", [
-    lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.to(torch.bfloat16),
-], ids=["half", "bfloat16", "to_bfloat16"])
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda m: m.half(),
+        lambda m: m.bfloat16(),
+        lambda m: m.to(torch.bfloat16),
+    ],
+    ids=["half", "bfloat16", "to_bfloat16"],
+)
 def test_a_cast_model_is_patched_with_fp32_frequencies(tiny_model, tiny_path, cast):
     reference = load_llama(tiny_path)
     expected = rope_ext.patch(reference, "ntk", factor=4)
@@ -322,13 +345,16 @@ def test_a_cast_model_that_was_modified_is_still_refused(tiny_model):
         rope_ext.patch(model, "ntk", factor=4)
 
 
-@pytest.mark.parametrize("first, second", [
-    (("ntk", 2, {}), ("dynamic", 8, {})),
-    (("linear", 4, {}), ("self_extend", 4, {})),
-    (("yarn", 4, {}), ("alibi_hybrid", 4, {"rope": "yarn"})),
-    (("alibi_hybrid", 2, {}), ("llama3", 4, {})),
-    (("dynamic_yarn", 4, {}), ("dynamic", 2, {"causal": False})),
-])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (("ntk", 2, {}), ("dynamic", 8, {})),
+        (("linear", 4, {}), ("self_extend", 4, {})),
+        (("yarn", 4, {}), ("alibi_hybrid", 4, {"rope": "yarn"})),
+        (("alibi_hybrid", 2, {}), ("llama3", 4, {})),
+        (("dynamic_yarn", 4, {}), ("dynamic", 2, {"causal": False})),
+    ],
+)
 def test_repatching_writes_the_config_of_a_first_patch(tiny_model, tiny_path, first, second):
     fresh = load_llama(tiny_path)
     rope_ext.patch(fresh, second[0], factor=second[1], **second[2])
@@ -366,21 +392,45 @@ def test_generate_warns_of_the_length_only_past_the_patch_max_length(tiny_model,
 # The patch in each of its shapes, as JSON: result files and records keep these bytes.
 YARN_PARAMS = {"beta_fast": 16, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
 YARN_RECORD = {
-    "version": 1, "method": "yarn", "factor": 4.0, "params": YARN_PARAMS,
-    "original": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": WINDOW,
-                 "original_window": WINDOW},
+    "version": 1,
+    "method": "yarn",
+    "factor": 4.0,
+    "params": YARN_PARAMS,
+    "original": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": WINDOW,
+        "original_window": WINDOW,
+    },
 }
 YARN_DESCRIBED = {
-    "method": "yarn", "factor": 4.0, "params": YARN_PARAMS,
+    "method": "yarn",
+    "factor": 4.0,
+    "params": YARN_PARAMS,
     "geometry": {"rotary_dim": 16, "base": 10000.0, "original_window": WINDOW, "layout": "half", "head_dim": 16},
     "max_length": 4 * WINDOW,
 }
 YARN_INFO = {
-    "method": "yarn", "factor": 4.0, "params": YARN_PARAMS, "family": "llama", "model_type": "llama",
-    "original_window": WINDOW, "max_length": 4 * WINDOW, "rotary_dim": 16, "head_dim": 16, "base": 10000.0,
-    "layout": "half", "attention_factor": 1.138629436111989,
-    "native": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": WINDOW,
-               "beta_fast": 16, "beta_slow": 1.0, "truncate": True},
+    "method": "yarn",
+    "factor": 4.0,
+    "params": YARN_PARAMS,
+    "family": "llama",
+    "model_type": "llama",
+    "original_window": WINDOW,
+    "max_length": 4 * WINDOW,
+    "rotary_dim": 16,
+    "head_dim": 16,
+    "base": 10000.0,
+    "layout": "half",
+    "attention_factor": 1.138629436111989,
+    "native": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": WINDOW,
+        "beta_fast": 16,
+        "beta_slow": 1.0,
+        "truncate": True,
+    },
     "notes": {},
 }
 

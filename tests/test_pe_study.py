@@ -97,7 +97,10 @@ def study(tmp_path_factory):
     out = tmp_path_factory.mktemp("pe_study")
     proc = subprocess.run(
         [sys.executable, str(RECIPE), "--config", str(TEST_CONFIG), "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, json.loads((out / "pe_study.json").read_text()), (out / "pe_study.md").read_text()

@@ -3,7 +3,6 @@ method does not squash the others, the trained window marked, model and method i
 
 from __future__ import annotations
 
-import pytest
 
 from rope_ext.evals import plots
 
@@ -16,10 +15,10 @@ def report(passkey: bool) -> dict:
     """A compare.json of three methods, one of which breaks past the window."""
     methods = []
     for label, factor, values in (("plain", None, [30, 31, 400]), ("yarn", 2.0, [32, 33, 34]), ("ntk", 2.0, [31, 32, 36])):
-        ppl = {"1024": {"ppl": values[0], "buckets": buckets(values[:1])},
-               "3072": {"ppl": values[2], "buckets": buckets(values)}}
-        methods.append({"label": label, "factor": factor, "ppl": ppl,
-                        "passkey": {"by_length": {1024: 1.0, 3072: 0.4}} if passkey else None})
+        ppl = {"1024": {"ppl": values[0], "buckets": buckets(values[:1])}, "3072": {"ppl": values[2], "buckets": buckets(values)}}
+        methods.append(
+            {"label": label, "factor": factor, "ppl": ppl, "passkey": {"by_length": {1024: 1.0, 3072: 0.4}} if passkey else None}
+        )
     return {"setup": {"model": "smollm2-135m-847fbcc544", "original_window": 2048}, "methods": methods}
 
 

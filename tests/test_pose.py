@@ -74,8 +74,21 @@ class Recorder:
 
 
 def _run(tiny_path, out: Path, *extra: str) -> dict:
-    return finetune.main(["--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out),
-                          "--eval-every", "0", "--warmup-steps", "1", *extra])
+    return finetune.main(
+        [
+            "--config",
+            str(TINY_CONFIG),
+            "--model",
+            str(tiny_path),
+            "--out",
+            str(out),
+            "--eval-every",
+            "0",
+            "--warmup-steps",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def test_pose_reaches_the_patched_rotary_as_one_attended_sequence(tiny_path, tiny_model, tmp_path, monkeypatch):

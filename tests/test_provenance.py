@@ -28,8 +28,23 @@ def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
     runs = {}
     for method in (["--method", "plain"], ["--method", "yarn", "--factor", "2"]):  # two loads, one patched
         out = tmp_path / method[1]
-        assert perplexity.main(["--model", str(tiny_path), "--lengths", "64", "--data", str(text_file),
-                                "--output", str(out), "--no-progress", *method]) == 0
+        assert (
+            perplexity.main(
+                [
+                    "--model",
+                    str(tiny_path),
+                    "--lengths",
+                    "64",
+                    "--data",
+                    str(text_file),
+                    "--output",
+                    str(out),
+                    "--no-progress",
+                    *method,
+                ]
+            )
+            == 0
+        )
         runs[method[1]] = json.loads((out / "ppl.json").read_text())
         assert output.provenance_line(runs[method[1]]["provenance"]) in (out / "ppl.md").read_text()
 
@@ -56,18 +71,52 @@ def test_config_hash_names_the_checkpoint_not_the_patch(tiny_path, tmp_path):
 
 
 def test_passkey_and_compare_results_record_their_provenance(tiny_path, text_file, tmp_path):
-    assert passkey.main(["--model", str(tiny_path), "--lengths", "118", "--depths", "0.5", "--trials", "1",
-                         "--output", str(tmp_path / "pk"), "--no-progress"]) == 0
-    assert compare.main(["--model", str(tiny_path), "--methods", "plain", "--lengths", "64", "--data", str(text_file),
-                         "--no-passkey", "--output", str(tmp_path / "cmp"), "--no-progress"]) == 0
+    assert (
+        passkey.main(
+            [
+                "--model",
+                str(tiny_path),
+                "--lengths",
+                "118",
+                "--depths",
+                "0.5",
+                "--trials",
+                "1",
+                "--output",
+                str(tmp_path / "pk"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        compare.main(
+            [
+                "--model",
+                str(tiny_path),
+                "--methods",
+                "plain",
+                "--lengths",
+                "64",
+                "--data",
+                str(text_file),
+                "--no-passkey",
+                "--output",
+                str(tmp_path / "cmp"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     for folder, name in (("pk", "passkey"), ("cmp", "compare")):
         record = json.loads((tmp_path / folder / f"{name}.json").read_text())["provenance"]
         assert record["model"] == str(tiny_path) and record["threads"] == torch.get_num_threads()
         assert output.provenance_line(record) in (tmp_path / folder / f"{name}.md").read_text()
 
 
-@pytest.mark.parametrize("avx512_bf16, amx, expected", [(False, False, "float32"), (True, False, "bfloat16"),
-                                                        (False, True, "bfloat16")])
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, expected", [(False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")]
+)
 def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch, avx512_bf16, amx, expected):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)

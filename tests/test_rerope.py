@@ -87,8 +87,16 @@ class Compare(AttentionTransform):
 # past the window: the explicit distances
 
 
-@pytest.mark.parametrize("leak, window, causal, attn", [(None, 32, True, "sdpa"), (4.5, 24, True, "eager"), (6, 32, True, "sdpa"),
-                                                     (None, 20, False, "eager"), (3, 40, False, "sdpa")])
+@pytest.mark.parametrize(
+    "leak, window, causal, attn",
+    [
+        (None, 32, True, "sdpa"),
+        (4.5, 24, True, "eager"),
+        (6, 32, True, "sdpa"),
+        (None, 20, False, "eager"),
+        (3, 40, False, "sdpa"),
+    ],
+)
 def test_past_the_window_it_is_the_explicit_distance_matrix(tiny_model, heldout_ids, leak, window, causal, attn):
     """At every layer, on the model's own queries, keys and values: one forward and a left-padded
     batch (masked blocks of rows, TwoPartAttention's `_masked_rows`) against the reference; then
@@ -186,7 +194,10 @@ def test_what_factor_window_and_leak_mean(tiny_model):
     assert (info.params["window"], info.params["leak"], info.max_length) == (32, None, 512)
     assert info.notes["largest_distance"] == {
         "statement": "w (ReRoPE) or w + (N - 1 - w) / k (Leaky ReRoPE) <= L - 1",
-        "target": 512, "value": 32.0, "limit": 127, "holds": True,
+        "target": 512,
+        "value": 32.0,
+        "limit": 127,
+        "holds": True,
     }
     # leak="auto": the smallest integer leak whose largest distance at 512 tokens is within 127
     info = rope_ext.patch(tiny_model, "rerope", factor=4, leak="auto")

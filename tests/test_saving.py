@@ -28,7 +28,10 @@ def test_save_and_plain_reload_reproduce_static_methods(tmp_path, method):
     assert reloaded.config.max_position_embeddings == info.max_length
 
 
-@pytest.mark.parametrize("method,params", [("dynamic", {}), ("dynamic", {"causal": False}), ("dynamic_yarn", {"granularity": 8}), ("yarn", {"beta_fast": 16.0})])
+@pytest.mark.parametrize(
+    "method,params",
+    [("dynamic", {}), ("dynamic", {"causal": False}), ("dynamic_yarn", {"granularity": 8}), ("yarn", {"beta_fast": 16.0})],
+)
 def test_rope_ext_from_pretrained_restores_every_method(tmp_path, method, params):
     model = random_model()
     rope_ext.patch(model, method, factor=4, **params)
@@ -45,9 +48,16 @@ def rope_ext_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if "rope_ext" in str(w.message)]
 
 
-@pytest.mark.parametrize("method,params", [
-    ("alibi_hybrid", {}), ("alibi_hybrid", {"rope": "yarn"}), ("dynamic", {}), ("dynamic_yarn", {}), ("self_extend", {}),
-])
+@pytest.mark.parametrize(
+    "method,params",
+    [
+        ("alibi_hybrid", {}),
+        ("alibi_hybrid", {"rope": "yarn"}),
+        ("dynamic", {}),
+        ("dynamic_yarn", {}),
+        ("self_extend", {}),
+    ],
+)
 def test_a_patch_transformers_cannot_express_warns_and_reloads_plainly_as_the_unpatched_model(
     tiny_model, tiny_path, heldout_ids, tmp_path, method, params
 ):
@@ -56,7 +66,9 @@ def test_a_patch_transformers_cannot_express_warns_and_reloads_plainly_as_the_un
     unpatched = logits(tiny_model, x)
     info = rope_ext.patch(tiny_model, method, factor=4, **params)
     assert info.native is None
-    with pytest.warns(UserWarning, match=rf"'{method}' patch .* loads the unpatched model; load it with rope_ext\.from_pretrained\(path\)"):
+    with pytest.warns(
+        UserWarning, match=rf"'{method}' patch .* loads the unpatched model; load it with rope_ext\.from_pretrained\(path\)"
+    ):
         tiny_model.save_pretrained(tmp_path)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert plain.config.max_position_embeddings == window
@@ -87,6 +99,7 @@ def test_an_unpatched_model_saves_without_a_warning(tiny_model, tmp_path):
 
 # A corrupted rope_ext record in config.json: one reader (rope_ext.record), one clear error
 # naming the file and the key, on every loading route.
+
 
 def _saved_with_record(tmp_path, edit):
     model = random_model()
@@ -126,9 +139,14 @@ def test_the_lm_eval_model_reads_the_record_through_the_same_checks(tmp_path, ti
         RopeExtLM(pretrained=str(folder), tokenizer=str(tiny_path))
 
 
-@pytest.mark.parametrize("load", [lambda folder: rope_ext.from_pretrained(folder),
-                                  lambda folder: rope_ext.patch(AutoModelForCausalLM.from_pretrained(folder), "ntk", 4)],
-                         ids=["from_pretrained", "patch of a plain reload"])
+@pytest.mark.parametrize(
+    "load",
+    [
+        lambda folder: rope_ext.from_pretrained(folder),
+        lambda folder: rope_ext.patch(AutoModelForCausalLM.from_pretrained(folder), "ntk", 4),
+    ],
+    ids=["from_pretrained", "patch of a plain reload"],
+)
 def test_the_record_is_read_once_and_handed_to_the_family(tmp_path, monkeypatch, load):
     from rope_ext import record
 

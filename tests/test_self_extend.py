@@ -17,7 +17,7 @@ from rope_ext.attention import AttentionTransform
 from rope_ext.evals import loading
 from rope_ext.method import attention_side, self_extend
 
-from helpers import WINDOW, assert_refused_unchanged, random_model, rotate, set_chain
+from helpers import WINDOW, assert_refused_unchanged, left_padded, random_model, rotate, set_chain
 
 
 class NaiveSelfExtend(AttentionTransform):
@@ -34,7 +34,9 @@ class NaiveSelfExtend(AttentionTransform):
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         own = rotate(query, q_pos, geometry.base, dim) @ rotate(key, k_pos, geometry.base, dim).transpose(-1, -2)
-        grouped = rotate(query, q_pos // G + W - W // G, geometry.base, dim) @ rotate(key, k_pos // G, geometry.base, dim).transpose(-1, -2)
+        grouped = rotate(query, q_pos // G + W - W // G, geometry.base, dim) @ rotate(
+            key, k_pos // G, geometry.base, dim
+        ).transpose(-1, -2)
         distance = q_pos[:, None] - k_pos[None, :]
         use_grouped = (q_pos[:, None] + 1 > geometry.original_window) & (distance >= W)
         scores = torch.where(use_grouped, grouped, own) * scaling
@@ -50,11 +52,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
     rope_ext.patch(model, "self_extend", group=group, window=window)
     rotary = model.model.rotary_emb
     ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(1))
-    # row 1: `pad` pad tokens, then the sequence without its first `pad` tokens, from position 0
-    batch = torch.cat((ids, torch.cat((torch.zeros(1, pad, dtype=ids.dtype), ids[:, pad:]), dim=1)))
-    padding = torch.ones_like(batch)
-    padding[1, :pad] = 0
-    positions = (padding.cumsum(-1) - 1).clamp(min=0)
+    batch, padding, positions = left_padded(ids, pad)
     with torch.no_grad():
         set_chain(model, [NaiveSelfExtend(rotary, group, window)])
         reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
@@ -76,7 +74,9 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
         chunks, masks = masks, []
         cache = DynamicCache(config=model.config)
         model(ids[:, : 3 * WINDOW], cache=cache, use_cache=True)
-        steps = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(3 * WINDOW, length)], dim=1)
+        steps = torch.cat(
+            [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(3 * WINDOW, length)], dim=1
+        )
         # a padded batch: blocks of query rows, each with a mask of its keys; 10 rows per block
         # (fp32 scores of 2 sequences x 4 heads x 10 query rows x at most length + window keys)
         monkeypatch.setattr(attention_side, "SCORE_BYTES", 4 * 2 * 4 * 10 * (length + window))
@@ -203,7 +203,10 @@ def test_factor_group_and_window(tiny_model):
         ({"group": 4, "beta_fast": 4}, "unknown parameter"),
         ({"group": 2.5}, "must be an int"),
         ({"factor": 4, "group_rule": "widest"}, "group_rule must be None or one of 'reach', 'authors'"),
-        ({"factor": 4, "group": 7, "group_rule": "reach"}, r"group 7 is not what group_rule='reach' picks for 512 tokens at window 32 \(6\)"),
+        (
+            {"factor": 4, "group": 7, "group_rule": "reach"},
+            r"group 7 is not what group_rule='reach' picks for 512 tokens at window 32 \(6\)",
+        ),
         ({"factor": 4, "window": 100, "group_rule": "authors"}, "no group follows its authors' rule at window 100"),
     ],
 )
@@ -213,6 +216,7 @@ def test_bad_parameters_change_nothing(tiny_model, kwargs, message):
 
 
 # SelfExtend's authors' rule: W + (N - W)/G within 2/3 of the trained window L.
+
 
 def test_the_authors_rule_at_32k_of_an_8k_window():
     limit = self_extend.rule_limit(8192)

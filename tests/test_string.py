@@ -12,8 +12,16 @@ from rope_ext.attention import AttentionTransform
 from rope_ext.method import rope, string
 from rope_ext.method.attention_side import TwoPartAttention
 
-from helpers import WINDOW, assert_refused_unchanged, native_twin, random_model
-from test_self_extend import rotate, set_chain
+from helpers import (
+    WINDOW,
+    assert_refused_unchanged,
+    assert_saves_reloads_and_unpatches,
+    left_padded,
+    native_twin,
+    random_model,
+    rotate,
+    set_chain,
+)
 
 
 class NaiveString(AttentionTransform):
@@ -55,10 +63,7 @@ def test_matches_the_definition_in_one_forward_chunks_decoding_and_a_padded_batc
     rope_ext.patch(model, "string", shift=shift, local=local)
     rotary = model.model.rotary_emb
     ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(1))
-    batch = torch.cat((ids, torch.cat((torch.zeros(1, pad, dtype=ids.dtype), ids[:, pad:]), dim=1)))
-    padding = torch.ones_like(batch)
-    padding[1, :pad] = 0
-    positions = (padding.cumsum(-1) - 1).clamp(min=0)
+    batch, padding, positions = left_padded(ids, pad)
     with torch.no_grad():
         set_chain(model, [NaiveString(rotary, shift, local)])
         reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
@@ -114,8 +119,9 @@ def test_past_the_window_it_runs_over_yarn_at_the_authors_factor():
     expected, mscale = rope.yarn(model.model.rotary_emb.geometry, factor=stretch)
     assert torch.equal(inv_freq, expected) and scale == mscale
     # below the shift: yarn's model at that factor, as transformers builds it
-    twin = native_twin(model, {"rope_type": "yarn", "factor": stretch, "rope_theta": 10000.0,
-                               "original_max_position_embeddings": WINDOW})
+    twin = native_twin(
+        model, {"rope_type": "yarn", "factor": stretch, "rope_theta": 10000.0, "original_max_position_embeddings": WINDOW}
+    )
     ids = torch.randint(0, 97, (1, shift), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (model(ids).logits - twin(ids).logits).abs().max() <= 1e-5
@@ -129,45 +135,32 @@ def test_the_reference_codes_temperature_is_opt_in():
     assert model.model.rotary_emb.frequencies(WINDOW)[1] == string.TEMPERATURE == 1.0693
 
 
-def test_a_reload_reapplies_the_patch(tmp_path):
-    model = random_model("llama")
-    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(4))
-    info = rope_ext.patch(model, "string", factor=2, shift=30, local=8)
-    with torch.no_grad():
-        expected = model(ids).logits
-    with pytest.warns(UserWarning, match="loads the unpatched model"):
-        model.save_pretrained(tmp_path)
-    reloaded = rope_ext.from_pretrained(tmp_path)
-    assert rope_ext.describe(reloaded)["params"] == info.params
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, expected)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"local": 30, "shift": 20}, r"need local < shift"),
-    ({"shift": 65, "local": 8}, r"shift 65 exceeds the 64 positions the frequencies cover"),
-    ({"factor": 4, "shift": 130, "local": 8}, r"shift 130 exceeds the 126 positions"),
-    ({"local": 8, "shift": 64}, r"shift 64 is not below the 64 tokens"),
-    ({"local": 8, "factor": 0.5}, r"factor must be a finite number > 1"),
-    ({"local": 8, "temperature": "yes"}, r"temperature must be True or False"),
-    ({"local": -1}, r"local must be an int in \[0,"),
-    ({"local": 8, "window": 4}, r"unknown parameter"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"local": 30, "shift": 20}, r"need local < shift"),
+        ({"shift": 65, "local": 8}, r"shift 65 exceeds the 64 positions the frequencies cover"),
+        ({"factor": 4, "shift": 130, "local": 8}, r"shift 130 exceeds the 126 positions"),
+        ({"local": 8, "shift": 64}, r"shift 64 is not below the 64 tokens"),
+        ({"local": 8, "factor": 0.5}, r"factor must be a finite number > 1"),
+        ({"local": 8, "temperature": "yes"}, r"temperature must be True or False"),
+        ({"local": -1}, r"local \(or None for the default\) must be an int in \[0,"),
+        ({"local": 8, "window": 4}, r"unknown parameter"),
+    ],
+)
 def test_bad_settings_are_refused_and_change_nothing(kwargs, message):
     assert_refused_unchanged("string", kwargs, message)
 
 
-def test_the_default_shift_is_a_third_of_the_length():
-    model = random_model("llama")
-    info = rope_ext.patch(model, "string", factor=3, local=8)
-    assert info.params["shift"] == math.floor(0.33 * 3 * WINDOW) and info.max_length == 3 * WINDOW
+def test_the_defaults_are_the_papers_a_third_of_the_length_and_a_local_window_of_128():
+    model = random_model("llama", max_position_embeddings=8192)
+    info = rope_ext.patch(model, "string")
+    assert (info.params["shift"], info.params["local"], info.max_length) == (2703, 128, 8192)
+    info = rope_ext.patch(random_model("llama"), "string", factor=3)  # a small window: W = S / 2
+    assert (info.params["shift"], info.params["local"]) == (math.floor(0.33 * 3 * WINDOW), 31)
 
 
-def test_a_patch_for_the_trained_window_reloads(tmp_path):
-    model = random_model("llama")
-    info = rope_ext.patch(model, "string", local=8)
-    assert info.factor == 1.0
-    with pytest.warns(UserWarning, match="loads the unpatched model"):
-        model.save_pretrained(tmp_path)
-    assert rope_ext.describe(rope_ext.from_pretrained(tmp_path))["params"] == info.params
+def test_a_patch_for_the_trained_window_saves_reloads_and_unpatches(tiny_model, heldout_ids, tmp_path):
+    assert_saves_reloads_and_unpatches(tiny_model, "string", {"local": 8}, heldout_ids[None, :200], tmp_path)
+    assert rope_ext.patch(tiny_model, "string", local=8).factor == 1.0
     assert_refused_unchanged("yarn", {"factor": 1}, r"factor must be a finite number > 1")

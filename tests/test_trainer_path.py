@@ -23,9 +23,19 @@ def test_trainer_trains_a_lora_on_a_patched_model(tiny_model, tiny_path, heldout
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     n = info.max_length
     rows = [{"input_ids": heldout_ids[i * n : (i + 1) * n], "labels": heldout_ids[i * n : (i + 1) * n]} for i in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
-                             activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
 

@@ -16,5 +16,7 @@ for method in ("plain", "ntk", "yarn", "self_extend", "dca", "sink_window"):
     if method != "plain":
         rope_ext.patch(model, method, factor=4)
     with torch.no_grad():
-        nll = torch.cat([F.cross_entropy(model(r[None, :-1]).logits[0], r[1:], reduction="none") for r in rows.unbind()]).view(16, L)
+        nll = torch.cat([F.cross_entropy(model(r[None, :-1]).logits[0], r[1:], reduction="none") for r in rows.unbind()]).view(
+            16, L
+        )
     print(f"| {method} | {math.exp(nll[:, :W].mean()):.2f} | {math.exp(nll[:, W:].mean()):.2f} |")

@@ -95,7 +95,9 @@ def read_convention(rotary: nn.Module, config, head_dim: int) -> dict:
     found = f"{type(rotary).__module__}.{type(rotary).__name__}"
     inv_freq = getattr(rotary, "inv_freq", None)
     if not isinstance(inv_freq, torch.Tensor):
-        raise ValueError(f"rope_ext cannot patch this ChatGLM model: found {found} without an `inv_freq` buffer; expected {EXPECTED}")
+        raise ValueError(
+            f"rope_ext cannot patch this ChatGLM model: found {found} without an `inv_freq` buffer; expected {EXPECTED}"
+        )
     try:
         with torch.no_grad():
             table = rotary(PROBE_LENGTH)
@@ -339,11 +341,17 @@ class ChatGLMFamily(FamilyAdapter):
         transformer = getattr(hf_model, "transformer", None)
         if transformer is None and hasattr(hf_model, "encoder"):
             transformer = hf_model  # a bare ChatGLMModel
-        if getattr(config, "position_encoding_2d", False) or (transformer is not None and hasattr(transformer, "layers") and not hasattr(transformer, "rotary_pos_emb")):
+        if getattr(config, "position_encoding_2d", False) or (
+            transformer is not None and hasattr(transformer, "layers") and not hasattr(transformer, "rotary_pos_emb")
+        ):
             raise ValueError(V1_ERROR)
         rotary = getattr(transformer, "rotary_pos_emb", None)
         if not isinstance(rotary, nn.Module):
-            found = "no `transformer`" if transformer is None else f"{type(transformer).__name__} with children {[n for n, _ in transformer.named_children()]}"
+            found = (
+                "no `transformer`"
+                if transformer is None
+                else f"{type(transformer).__name__} with children {[n for n, _ in transformer.named_children()]}"
+            )
             raise ValueError(f"rope_ext cannot patch {type(hf_model).__name__}: found {found}; expected {EXPECTED}")
         return ChatGLMSite(hf_model, transformer, rotary)
 
@@ -379,8 +387,11 @@ class ChatGLMFamily(FamilyAdapter):
     def facts(self, site: ChatGLMSite) -> ModelFacts:
         config = site.config
         return ModelFacts(
-            family=self.name, backend=getattr(config, "_attn_implementation", None) or "eager",
-            num_heads=config.num_attention_heads, causal=True, attention_interface=self.attention_interface,
+            family=self.name,
+            backend=getattr(config, "_attn_implementation", None) or "eager",
+            num_heads=config.num_attention_heads,
+            causal=True,
+            attention_interface=self.attention_interface,
         )
 
     def build(self, site: ChatGLMSite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
@@ -440,7 +451,9 @@ class ChatGLMFamily(FamilyAdapter):
                 f"this model uses {implementation!r}. Load it with attn_implementation='sdpa', or convert it to native GLM"
             )
         if getattr(config, "pre_seq_len", None):
-            raise ValueError("rope_ext: dynamic methods cannot track the P-tuning prefix keys (pre_seq_len) of this ChatGLM model")
+            raise ValueError(
+                "rope_ext: dynamic methods cannot track the P-tuning prefix keys (pre_seq_len) of this ChatGLM model"
+            )
         try:
             site.cores
         except AttributeError as err:

@@ -43,7 +43,15 @@ PYTHON_SPELLING = "rope_ratio_meaning={!r}"
 CLI_SPELLING = "--rope-ratio-meaning {}"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Files copied beside the weights so the converted folder keeps its tokenizer and generation settings.
-COPIED = ("tokenizer*", "tokenization_*.py", "*.model", "*.tiktoken", "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+COPIED = (
+    "tokenizer*",
+    "tokenization_*.py",
+    "*.model",
+    "*.tiktoken",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 @dataclass(frozen=True)
@@ -113,11 +121,13 @@ def _check_supported(config: dict) -> None:
     if config.get("model_type") != "chatglm":
         raise ValueError(f"not a ChatGLM checkpoint: model_type={config.get('model_type')!r}")
     if config.get("position_encoding_2d"):
-
         raise ValueError(V1_ERROR)
     expected = {
-        "rmsnorm": True, "post_layer_norm": True, "apply_residual_connection_post_layernorm": False,
-        "multi_query_attention": True, "add_bias_linear": False,
+        "rmsnorm": True,
+        "post_layer_norm": True,
+        "apply_residual_connection_post_layernorm": False,
+        "multi_query_attention": True,
+        "add_bias_linear": False,
     }
     differs = {k: config.get(k) for k, v in expected.items() if config.get(k, v) != v}
     if config.get("pre_seq_len"):
@@ -185,7 +195,7 @@ def native_weights(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
         elif name.endswith("rotary_pos_emb.inv_freq"):
             continue  # recomputed from rope_parameters
         elif name.startswith(prefix):
-            index, rest = name[len(prefix):].split(".", 1)
+            index, rest = name[len(prefix) :].split(".", 1)
             target = f"model.layers.{index}."
             if rest in in_layer:
                 out[target + in_layer[rest]] = tensor
@@ -208,7 +218,6 @@ def native_weights(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
 def _load_source(src, rope_ratio_meaning: str | None, spelling: str):
     """(config dict, weights, meaning, where the meaning came from, folder to copy files from)."""
     if isinstance(src, nn.Module):
-
         adapter = ChatGLMFamily()
         model = unwrap(src)
         if not adapter.matches(model):
@@ -263,8 +272,15 @@ def check_destination(dst: Path) -> None:
         raise FileExistsError(f"{dst} exists and is not empty; choose a new folder")
 
 
-def convert_chatglm(src, dst, *, rope_ratio_meaning: str | None = None, dtype: torch.dtype | None = None,
-                    max_shard_size: str = "5GB", spelling: str = PYTHON_SPELLING) -> Conversion:
+def convert_chatglm(
+    src,
+    dst,
+    *,
+    rope_ratio_meaning: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+    spelling: str = PYTHON_SPELLING,
+) -> Conversion:
     """Write the remote-code ChatGLM checkpoint `src` (a folder, or a model loaded with
     trust_remote_code=True) as a native transformers GLM checkpoint in `dst`.
 
@@ -298,8 +314,13 @@ def convert_chatglm(src, dst, *, rope_ratio_meaning: str | None = None, dtype: t
                 shutil.copy2(path, dst / path.name)
                 copied.append(path.name)
     return Conversion(
-        dst=dst, rope_parameters=dict(glm_config.rope_parameters), rope_ratio=float(config.get("rope_ratio", 1)),
-        rope_ratio_meaning=meaning, meaning_from=meaning_from, tensors=len(tensors), copied=copied,
+        dst=dst,
+        rope_parameters=dict(glm_config.rope_parameters),
+        rope_ratio=float(config.get("rope_ratio", 1)),
+        rope_ratio_meaning=meaning,
+        meaning_from=meaning_from,
+        tensors=len(tensors),
+        copied=copied,
     )
 
 
@@ -312,8 +333,12 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, plan: None = None) -> int:
     result = convert_chatglm(
-        args.src, args.dst, rope_ratio_meaning=args.rope_ratio_meaning,
-        dtype=DTYPES[args.dtype] if args.dtype else None, max_shard_size=args.max_shard_size, spelling=CLI_SPELLING,
+        args.src,
+        args.dst,
+        rope_ratio_meaning=args.rope_ratio_meaning,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=args.max_shard_size,
+        spelling=CLI_SPELLING,
     )
     meaning = {"base": "multiplies the base", "positions": "divides positions", None: "is 1"}[result.rope_ratio_meaning]
     print(f"rope_ratio {result.rope_ratio:g} {meaning} (read from {result.meaning_from})")

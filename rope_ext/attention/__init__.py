@@ -4,16 +4,45 @@ split-softmax kernels attention-side methods build on. The names below keep `rop
 working for every X of the three."""
 
 from .interface import (
-    PREFIX, AttentionChain, AttentionTransform, FlashView, StaticCacheError, backend, base_name, refuse_static_cache,
+    PREFIX,
+    AttentionChain,
+    AttentionTransform,
+    FlashView,
+    StaticCacheError,
+    backend,
+    base_name,
+    refuse_static_cache,
     registered_name,
 )
 from .parts import (
-    SCORE_BYTES, attend_with_lse, attend_with_lse_by_scores, causal_mask, exact_rows, hides_keys, merge_by_lse, window_parts,
+    SCORE_BYTES,
+    attend_with_lse,
+    attend_with_lse_by_scores,
+    causal_mask,
+    exact_rows,
+    hides_keys,
+    merge_by_lse,
+    window_parts,
 )
 from .rotate import RotateInAttention
 
 __all__ = [
-    "PREFIX", "AttentionChain", "AttentionTransform", "FlashView", "StaticCacheError", "backend", "base_name",
-    "refuse_static_cache", "registered_name", "SCORE_BYTES", "attend_with_lse", "attend_with_lse_by_scores", "causal_mask",
-    "exact_rows", "hides_keys", "merge_by_lse", "window_parts", "RotateInAttention",
+    "PREFIX",
+    "AttentionChain",
+    "AttentionTransform",
+    "FlashView",
+    "StaticCacheError",
+    "backend",
+    "base_name",
+    "refuse_static_cache",
+    "registered_name",
+    "SCORE_BYTES",
+    "attend_with_lse",
+    "attend_with_lse_by_scores",
+    "causal_mask",
+    "exact_rows",
+    "hides_keys",
+    "merge_by_lse",
+    "window_parts",
+    "RotateInAttention",
 ]

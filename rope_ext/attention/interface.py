@@ -45,7 +45,6 @@ def refuse_static_cache(method: str) -> Callable:
     return hook
 
 
-
 def backend(module: torch.nn.Module, name: str) -> Callable:
     """The attention function transformers would call for `name` on this module."""
     if name == "eager":
@@ -145,4 +144,3 @@ def _bind(transform: AttentionTransform, attend: Callable) -> Callable:
         return transform(module, query, key, value, attention_mask, attend, **kwargs)
 
     return step
-

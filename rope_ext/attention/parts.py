@@ -9,13 +9,13 @@ from typing import Callable
 
 import torch
 
+
 def causal_mask(first: int, rows: int, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive [1, 1, rows, keys] mask for query rows that are key indices first .. first+rows-1:
     0 where the key index is at most the query's, the dtype's minimum after it."""
     query_index = torch.arange(first, first + rows, device=device)
     allowed = torch.arange(keys, device=device)[None, :] <= query_index[:, None]
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
 
 
 def hides_keys(attention_mask: torch.Tensor | None, kv_len: int) -> bool:
@@ -51,11 +51,15 @@ def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tens
     grouped. A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
     if query.device.type == "cpu":
         # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, attn_mask=mask, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=mask, scale=scale
+        )
     return attend_with_lse_by_scores(query, key, value, causal=causal, mask=mask, scale=scale)
 
 
-def attend_with_lse_by_scores(query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None):
+def attend_with_lse_by_scores(
+    query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None
+):
     """attend_with_lse from explicit fp32 scores, for devices without torch's CPU kernel. Query rows
     go in blocks whose scores stay under SCORE_BYTES: the calls without a mask span all the rows
     and keys of a part, which as one block would be a [rows, keys] tensor."""
@@ -116,8 +120,13 @@ def window_parts(query, key, value, first: int, window: int, scale: float | None
         if n > 1:
             # row r < n - 1 sees key start - window + 1 + k for k >= r: reversed in both, key k' for k' <= row r'
             earlier = slice(start - window + 1, start - window + n)
-            out, lse = attend_with_lse(query[:, :, lo : lo + n - 1].flip(2), key[:, :, earlier].flip(2), value[:, :, earlier].flip(2),
-                                       causal=True, scale=scale)
+            out, lse = attend_with_lse(
+                query[:, :, lo : lo + n - 1].flip(2),
+                key[:, :, earlier].flip(2),
+                value[:, :, earlier].flip(2),
+                causal=True,
+                scale=scale,
+            )
             # the block's last row sees none of these keys
             out = torch.cat((out.flip(2), out.new_zeros((*out.shape[:2], 1, out.shape[-1]))), dim=2)
             lse = torch.cat((lse.flip(-1), lse.new_full((*lse.shape[:2], 1), float("-inf"))), dim=-1)

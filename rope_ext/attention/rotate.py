@@ -14,6 +14,7 @@ from rope_ext.rotation import apply_rotary, cos_sin
 from .interface import AttentionTransform
 from .parts import causal_mask, hides_keys
 
+
 class RotateInAttention(AttentionTransform):
     """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py), the
     queries scaled first where the patch has `logn` on (`scale_queries`).
@@ -56,8 +57,9 @@ class RotateInAttention(AttentionTransform):
         lengths = frame.lengths
         groups = torch.unique(lengths).tolist()
         if len(groups) == 1:
-            return self._attend(module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len),
-                                (first_key, written), kwargs)
+            return self._attend(
+                module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len), (first_key, written), kwargs
+            )
         offset = kv_len - q_len
         out = None
         for length in groups:
@@ -68,8 +70,19 @@ class RotateInAttention(AttentionTransform):
                 mask = attention_mask[:, :, lo:hi, :end]
             else:
                 mask = causal_mask(offset + lo, hi - lo, end, query.dtype, query.device)
-            part, _ = self._attend(module, query[:, :, lo:hi], key[:, :, :end], value[:, :, :end], mask, attend, frame,
-                                   length, (lo, hi), (first_key, first_key + end), kwargs)
+            part, _ = self._attend(
+                module,
+                query[:, :, lo:hi],
+                key[:, :, :end],
+                value[:, :, :end],
+                mask,
+                attend,
+                frame,
+                length,
+                (lo, hi),
+                (first_key, first_key + end),
+                kwargs,
+            )
             if out is None:
                 out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
             chosen = (lengths[:, lo:hi] == length)[..., None, None]
@@ -141,5 +154,6 @@ class RotateInAttention(AttentionTransform):
         layout = self.rotary.geometry.layout
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
         k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
-        return attend(module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs)
-
+        return attend(
+            module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs
+        )

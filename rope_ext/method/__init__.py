@@ -8,7 +8,9 @@ from .base import Method
 
 REGISTRY: dict[str, Method] = {
     **{m.name: m for m in rope.METHODS},
-    **{m.name: m for m in (alibi_hybrid.METHOD, self_extend.METHOD, rerope.METHOD, string.METHOD, dca.METHOD, sink_window.METHOD)},
+    **{
+        m.name: m for m in (alibi_hybrid.METHOD, self_extend.METHOD, rerope.METHOD, string.METHOD, dca.METHOD, sink_window.METHOD)
+    },
 }
 
 

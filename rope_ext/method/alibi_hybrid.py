@@ -87,7 +87,9 @@ class HybridMethod(Method):
         if own["slope_scale"] is not None and not isinstance(own["slope_scale"], bool):
             own["slope_scale"] = as_number(own["slope_scale"], f"{NAME}: slope_scale")
             if not own["slope_scale"] <= MAX_SLOPE_SCALE:
-                raise ValueError(f"{NAME}: slope_scale must be a finite number in (0, {MAX_SLOPE_SCALE:g}], got {own['slope_scale']!r}")
+                raise ValueError(
+                    f"{NAME}: slope_scale must be a finite number in (0, {MAX_SLOPE_SCALE:g}], got {own['slope_scale']!r}"
+                )
         own = _checked(own)
         rope_params = {k: v for k, v in params.items() if k not in PARAMS}
         # With rope=None the factor still has to be a number > 1: it sets max_length.
@@ -146,8 +148,14 @@ def hybrid_method(params: dict) -> HybridMethod:
         return inner.fn(geom, seq_len, factor=factor, **rope_params)
 
     return HybridMethod(
-        NAME, frequencies, SUMMARY, FORMULA, params={**PARAMS, "rope": rope, **(inner.params if inner else {})},
-        rotation=inner.rotation if inner else "static", follows_length=bool(inner and inner.follows_length), rope=inner,
+        NAME,
+        frequencies,
+        SUMMARY,
+        FORMULA,
+        params={**PARAMS, "rope": rope, **(inner.params if inner else {})},
+        rotation=inner.rotation if inner else "static",
+        follows_length=bool(inner and inner.follows_length),
+        rope=inner,
     )
 
 
@@ -157,18 +165,23 @@ METHOD = hybrid_method({})  # registered with its default rope; `bind` picks the
 def _checked(params: dict) -> dict:
     w = params["w"]
     if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-        raise ValueError(f"{NAME}: w (the bias-free distance, in tokens) must be an int >= 0, or None for the original window; got {w!r}")
+        raise ValueError(
+            f"{NAME}: w (the bias-free distance, in tokens) must be an int >= 0, or None for the original window; got {w!r}"
+        )
     scale = params["slope_scale"]
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{NAME}: slope_scale must be a finite number > 0, got {scale!r}")
     heads = params["heads"]
     if heads is not None:
         if (
-            not isinstance(heads, (list, tuple)) or not heads
+            not isinstance(heads, (list, tuple))
+            or not heads
             or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads)
             or len(set(heads)) != len(heads)
         ):
-            raise ValueError(f"{NAME}: heads must be None (all heads) or a non-empty list of distinct head indices, got {heads!r}")
+            raise ValueError(
+                f"{NAME}: heads must be None (all heads) or a non-empty list of distinct head indices, got {heads!r}"
+            )
         heads = sorted(heads)
     if not isinstance(params["trainable"], bool):
         raise ValueError(f"{NAME}: trainable must be True or False, got {params['trainable']!r}")
@@ -242,7 +255,9 @@ class AlibiBias(AttentionTransform):
             return self._flex(module, query, key, value, attention_mask, slopes, **kwargs)
         if backend == "flash_attention_2":
             return self._flash(module, query, key, value, attention_mask, slopes, **kwargs)
-        return self._chunked(module, query, key, value, attention_mask, attend, slopes, kwargs, grouped_sdpa if backend == "sdpa" else attend)
+        return self._chunked(
+            module, query, key, value, attention_mask, attend, slopes, kwargs, grouped_sdpa if backend == "sdpa" else attend
+        )
 
     # eager / sdpa ---------------------------------------------------------------------------
 
@@ -257,7 +272,14 @@ class AlibiBias(AttentionTransform):
         outputs, weights = [], []
         if first:
             end = offset + first  # keys past a chunk's last query are masked for all its rows
-            out, weight = kernel(module, query[:, :, :first], key[:, :, :end], value[:, :, :end], self._causal(mask, offset, first, query), **kwargs)
+            out, weight = kernel(
+                module,
+                query[:, :, :first],
+                key[:, :, :end],
+                value[:, :, :end],
+                self._causal(mask, offset, first, query),
+                **kwargs,
+            )
             outputs.append(out)
             weights.append(None if weight is None else F.pad(weight, (0, kv_len - end)))
         # The bias depends on i - j only. With the keys in reverse order it depends on
@@ -276,7 +298,9 @@ class AlibiBias(AttentionTransform):
                     bias = torch.where(model_mask, bias, torch.finfo(query.dtype).min)
                 else:
                     bias = (model_mask + bias).clamp_(min=torch.finfo(query.dtype).min)
-            out, weight = kernel(module, query[:, :, lo:hi], key[:, :, kv_len - end :], value[:, :, kv_len - end :], bias, **kwargs)
+            out, weight = kernel(
+                module, query[:, :, lo:hi], key[:, :, kv_len - end :], value[:, :, kv_len - end :], bias, **kwargs
+            )
             outputs.append(out)
             weights.append(None if weight is None else F.pad(weight.flip(-1), (0, kv_len - end)))
         weight = None if weights[0] is None else torch.cat(weights, dim=2)
@@ -339,8 +363,15 @@ class AlibiBias(AttentionTransform):
         if not gqa:
             key, value = repeat_kv(key, heads // key.shape[1]), repeat_kv(value, heads // value.shape[1])
         out = compile_friendly_flex_attention(
-            query, key, value, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, scale=scaling,
-            kernel_options=kwargs.get("kernel_options"), training=module.training,
+            query,
+            key,
+            value,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=gqa,
+            scale=scaling,
+            kernel_options=kwargs.get("kernel_options"),
+            training=module.training,
         )
         return out.transpose(1, 2).contiguous(), None
 
@@ -373,8 +404,14 @@ def grouped_sdpa(module, query, key, value, mask, dropout=0.0, scaling=None, **k
     keys out per query head whenever there is a mask, for every chunk). Without a mask the block
     is square and causal."""
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-        is_causal=mask is None and query.shape[-2] > 1, enable_gqa=key.shape[1] != query.shape[1],
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=mask is None and query.shape[-2] > 1,
+        enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
 

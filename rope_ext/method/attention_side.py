@@ -70,7 +70,9 @@ class AttentionMethod(Method):
         for key, minimum in self.sizes.items():
             optional = self.params[key] is None
             if merged[key] is not None or not optional:
-                merged[key] = as_size(merged[key], f"{self.name}: {key}" + (" (or None for the default)" if optional else ""), minimum)
+                merged[key] = as_size(
+                    merged[key], f"{self.name}: {key}" + (" (or None for the default)" if optional else ""), minimum
+                )
         for flag in ("causal", "logn"):
             if flag in merged and not isinstance(merged[flag], bool):
                 raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
@@ -78,7 +80,6 @@ class AttentionMethod(Method):
         if factor is not None:
             self.accept_factor(factor)
         return merged
-
 
     def _drop_fixed_schedule(self, params: dict) -> None:
         """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
@@ -141,8 +142,9 @@ class TwoPartAttention(RotateInAttention):
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
         if q_len == 1 and bool(extended.any()):
-            return self.attend_at_distances(module, query, key, value, attention_mask, attend,
-                                            self._distances(k_pos, extended), inv_freq, scale, kwargs)
+            return self.attend_at_distances(
+                module, query, key, value, attention_mask, attend, self._distances(k_pos, extended), inv_freq, scale, kwargs
+            )
         q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
         k_own = self.rotate_to(key, k_pos, inv_freq, scale)
         if not bool(extended.any()):
@@ -160,14 +162,28 @@ class TwoPartAttention(RotateInAttention):
         # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
         # rows gets one.
         if not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window:
-            outputs.append(self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling))
+            outputs.append(
+                self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling)
+            )
         else:
             rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
             for lo in range(first, q_len, rows):
                 hi = min(lo + rows, q_len)
-                outputs.append(self._masked_rows(
-                    (q_own, k_own), (q_group, k_group), value, attention_mask, extended, offset, first, lo, hi, window, scaling
-                ).transpose(1, 2))
+                outputs.append(
+                    self._masked_rows(
+                        (q_own, k_own),
+                        (q_group, k_group),
+                        value,
+                        attention_mask,
+                        extended,
+                        offset,
+                        first,
+                        lo,
+                        hi,
+                        window,
+                        scaling,
+                    ).transpose(1, 2)
+                )
         return torch.cat(outputs, dim=1), None
 
     def _distances(self, k_pos: torch.Tensor, extended: torch.Tensor) -> torch.Tensor:
@@ -196,8 +212,10 @@ class TwoPartAttention(RotateInAttention):
             distant.append(attend_with_lse(q_group, k_group[:, :, :far], value[:, :, :far], scale=scaling))
         ahead = slice(far, far + rows)
         distant.append(attend_with_lse(q_group, k_group[:, :, ahead], value[:, :, ahead], causal=True, scale=scaling))
-        outputs = [merge_by_lse([(out[:, :, lo:hi], lse[:, :, lo:hi], None) for out, lse in distant] + near)
-                   for lo, hi, near in window_parts(q_own, k_own, value, first, window, scaling)]
+        outputs = [
+            merge_by_lse([(out[:, :, lo:hi], lse[:, :, lo:hi], None) for out, lse in distant] + near)
+            for lo, hi, near in window_parts(q_own, k_own, value, first, window, scaling)
+        ]
         return torch.cat(outputs, dim=2).transpose(1, 2)
 
     def _masked_rows(self, own, grouped, value, mask, extended, offset, first, lo, hi, window, scaling):
@@ -218,13 +236,20 @@ class TwoPartAttention(RotateInAttention):
         distance = q_index[:, None] - near[None, :]
         near_ok = ((distance >= 0)[None] & ((distance < window)[None] | ~rows_extended[:, :, None]))[:, None]
         near_mask = self._additive(near_ok, None if mask is None else mask[:, :, lo:hi, near_lo:end], dtype)
-        out, lse = attend_with_lse(q_own[:, :, lo:hi], k_own[:, :, near_lo:end], value[:, :, near_lo:end], mask=near_mask, scale=scaling)
+        out, lse = attend_with_lse(
+            q_own[:, :, lo:hi], k_own[:, :, near_lo:end], value[:, :, near_lo:end], mask=near_mask, scale=scaling
+        )
         parts = [(out, lse, (near_mask > torch.finfo(dtype).min).any(-1))]
         if far_end:
             far_ok = (rows_extended[:, :, None] & ((q_index[:, None] - far[None, :]) >= window)[None])[:, None]
             far_mask = self._additive(far_ok, None if mask is None else mask[:, :, lo:hi, :far_end], dtype)
-            out, lse = attend_with_lse(q_group[:, :, lo - first : hi - first], k_group[:, :, :far_end], value[:, :, :far_end],
-                                       mask=far_mask, scale=scaling)
+            out, lse = attend_with_lse(
+                q_group[:, :, lo - first : hi - first],
+                k_group[:, :, :far_end],
+                value[:, :, :far_end],
+                mask=far_mask,
+                scale=scaling,
+            )
             parts.append((out, lse, (far_mask > torch.finfo(dtype).min).any(-1)))
         return merge_by_lse(parts)
 

@@ -150,8 +150,9 @@ class Method:
         if "high_freq_factor" in merged and not merged["high_freq_factor"] > merged["low_freq_factor"] > 0:
             raise ValueError(f"{self.name}: need high_freq_factor > low_freq_factor > 0")
         if merged.get("attention_factor") is not None and not 0 < merged["attention_factor"] <= MAX_ATTENTION_FACTOR:
-            raise ValueError(f"{self.name}: attention_factor must be in (0, {MAX_ATTENTION_FACTOR:g}], "
-                             f"got {merged['attention_factor']!r}")
+            raise ValueError(
+                f"{self.name}: attention_factor must be in (0, {MAX_ATTENTION_FACTOR:g}], got {merged['attention_factor']!r}"
+            )
         return merged
 
     def accept_factor(self, factor) -> float:

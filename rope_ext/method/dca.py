@@ -93,8 +93,11 @@ class DualChunkAttention(RotateInAttention):
             for n in torch.unique_consecutive(chunks).tolist():
                 sel = (chunks == n).nonzero()
                 lo, hi = exact + int(sel[0]), exact + int(sel[-1]) + 1
-                outputs.append(self._chunk_rows(query[:, :, lo:hi], keys, value, positions[:, lo:hi], first, n, span, chunk,
-                                                inv_freq, scale, scaling).transpose(1, 2))
+                outputs.append(
+                    self._chunk_rows(
+                        query[:, :, lo:hi], keys, value, positions[:, lo:hi], first, n, span, chunk, inv_freq, scale, scaling
+                    ).transpose(1, 2)
+                )
         return torch.cat(outputs, dim=1), None
 
     @staticmethod
@@ -146,7 +149,9 @@ class DualChunkMethod(AttentionMethod):
         chunk = params["chunk_size"] or stated.get("chunk_size") or trained
         local = params["local_size"] or stated.get("local_size") or max(1, chunk // LOCAL_FRACTION)
         if chunk > trained:
-            raise ValueError(f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained")
+            raise ValueError(
+                f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained"
+            )
         if not 0 < local < chunk:
             raise ValueError(f"{NAME}: local_size must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
         return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}

@@ -109,13 +109,18 @@ class ReRoPEMethod(TwoPartMethod):
             except ValueError:
                 raise ValueError(f"{NAME}: leak must be None (ReRoPE), {AUTO!r} or a number > 1, got {leak!r}") from None
             if not (math.isfinite(leak) and 1 < leak <= MAX_FACTOR):
-                raise ValueError(f"{NAME}: leak must be a finite number > 1 and <= {MAX_FACTOR:.0f} "
-                                 f"(leak=None is ReRoPE, the limit of a large leak), got {leak!r}")
+                raise ValueError(
+                    f"{NAME}: leak must be a finite number > 1 and <= {MAX_FACTOR:.0f} "
+                    f"(leak=None is ReRoPE, the limit of a large leak), got {leak!r}"
+                )
         if factor is None and (leak is None or auto):
             raise ValueError(
                 f"{NAME} needs a factor (e.g. factor=4): "
-                + ("ReRoPE (leak=None) reaches any length, the factor states the length it is meant for"
-                   if leak is None else f"leak={AUTO!r} picks the leak that reaches it")
+                + (
+                    "ReRoPE (leak=None) reaches any length, the factor states the length it is meant for"
+                    if leak is None
+                    else f"leak={AUTO!r} picks the leak that reaches it"
+                )
                 + "; or give a leak (e.g. leak=8) and the factor is its capacity"
             )
         return {**params, "leak": leak}
@@ -130,7 +135,10 @@ class ReRoPEMethod(TwoPartMethod):
             leak = choose_leak(trained, math.ceil(trained * factor), window)
         if leak is not None:
             factor = self.reached(
-                factor, capacity(trained, window, leak), trained, f"leak {leak:g} with window {window}",
+                factor,
+                capacity(trained, window, leak),
+                trained,
+                f"leak {leak:g} with window {window}",
                 f" (its largest distance w + (N - 1 - w)/k must stay within {trained - 1}); raise the leak, lower the "
                 f"window or the factor, or use leak={AUTO!r} or leak=None (ReRoPE)",
             )
@@ -141,10 +149,15 @@ class ReRoPEMethod(TwoPartMethod):
         trained = geometry.original_window
         target = math.ceil(trained * factor)
         value = largest_distance(target, params["window"], params["leak"])
-        return {"largest_distance": {
-            "statement": "w (ReRoPE) or w + (N - 1 - w) / k (Leaky ReRoPE) <= L - 1",
-            "target": target, "value": float(value), "limit": trained - 1, "holds": value <= trained - 1,
-        }}
+        return {
+            "largest_distance": {
+                "statement": "w (ReRoPE) or w + (N - 1 - w) / k (Leaky ReRoPE) <= L - 1",
+                "target": target,
+                "value": float(value),
+                "limit": trained - 1,
+                "holds": value <= trained - 1,
+            }
+        }
 
     def distant_query(self, q_pos: torch.Tensor, params: dict) -> torch.Tensor:
         window, leak = params["window"], params["leak"]
@@ -159,5 +172,6 @@ class ReRoPEMethod(TwoPartMethod):
         return k_pos.float() / leak
 
 
-METHOD = ReRoPEMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True,
-                      switches="rectified distances")
+METHOD = ReRoPEMethod(
+    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True, switches="rectified distances"
+)

@@ -27,6 +27,7 @@ from rope_ext.geometry import RotaryGeometry
 
 from .base import Method, default_inv_freq
 
+
 def ntk_base(geom: RotaryGeometry, scale: float) -> float:
     """NTK-aware base b * s^(D/(D-2)): the lowest frequency is interpolated by s, the highest kept."""
     d = geom.rotary_dim
@@ -66,9 +67,7 @@ def yarn_mscale(scale: float) -> float:
 
 def _correction_dim(geom: RotaryGeometry, rotations: float) -> float:
     """The (fractional) pair index whose wavelength fits `rotations` times into the window."""
-    return (geom.rotary_dim * math.log(geom.original_window / (rotations * 2 * math.pi))) / (
-        2 * math.log(geom.base)
-    )
+    return (geom.rotary_dim * math.log(geom.original_window / (rotations * 2 * math.pi))) / (2 * math.log(geom.base))
 
 
 def _by_parts(geom: RotaryGeometry, factor: float, beta_fast: float, beta_slow: float, truncate: bool) -> torch.Tensor:
@@ -196,20 +195,33 @@ _YARN_PARAMS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 METHODS = [
     RopeMethod(
-        "linear", linear, "position interpolation (PI)", "theta_i / s",
+        "linear",
+        linear,
+        "position interpolation (PI)",
+        "theta_i / s",
         native_fn=lambda g, factor, params, rope: {"rope_type": "linear", "factor": factor, **_base(g, rope)},
         over_linear_fn=lambda g, factor, ratio, rope: {"rope_type": "linear", "factor": ratio * factor, **_base(g, rope)},
     ),
     RopeMethod(
-        "ntk", ntk, "fixed NTK-aware base", "base * s^(D/(D-2))",
+        "ntk",
+        ntk,
+        "fixed NTK-aware base",
+        "base * s^(D/(D-2))",
         native_fn=lambda g, factor, params, rope: {"rope_type": "default", **_base(g, rope), "rope_theta": ntk_base(g, factor)},
         over_linear_fn=lambda g, factor, ratio, rope: {
-            "rope_type": "linear", "factor": ratio, **_base(g, rope), "rope_theta": ntk_base(g, factor),
+            "rope_type": "linear",
+            "factor": ratio,
+            **_base(g, rope),
+            "rope_theta": ntk_base(g, factor),
         },
     ),
     RopeMethod(
-        "dynamic", dynamic, "dynamic NTK: NTK base grown with the current length L'",
-        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged", rotation="attention", follows_length=True,
+        "dynamic",
+        dynamic,
+        "dynamic NTK: NTK base grown with the current length L'",
+        "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged",
+        rotation="attention",
+        follows_length=True,
         takes_logn=True,
         # transformers' `dynamic` reads max_position_embeddings as the original window, so the
         # config keeps it. It is this method with causal=False and logn=False only: transformers
@@ -221,27 +233,52 @@ METHODS = [
         ),
     ),
     RopeMethod(
-        "yarn", yarn, "YaRN: NTK-by-parts + attention temperature",
+        "yarn",
+        yarn,
+        "YaRN: NTK-by-parts + attention temperature",
         "ramp-blend of theta_i and theta_i/s; cos, sin * (0.1 ln s + 1)",
-        params={**_YARN_PARAMS, "attention_factor": None}, native_fn=_native_yarn,
+        params={**_YARN_PARAMS, "attention_factor": None},
+        native_fn=_native_yarn,
     ),
     RopeMethod(
-        "dynamic_yarn", dynamic_yarn, "YaRN with s = max(1, L'/L)",
+        "dynamic_yarn",
+        dynamic_yarn,
+        "YaRN with s = max(1, L'/L)",
         # No native form: a plain reload is the unscaled model, so the config keeps its window.
-        "yarn with s recomputed from the current length", params=dict(_YARN_PARAMS), rotation="attention",
-        follows_length=True, keeps_config_window=True, takes_logn=True,
+        "yarn with s recomputed from the current length",
+        params=dict(_YARN_PARAMS),
+        rotation="attention",
+        follows_length=True,
+        keeps_config_window=True,
+        takes_logn=True,
     ),
     RopeMethod(
-        "ntk_by_parts", ntk_by_parts, "YaRN's frequency ramp without temperature",
-        "ramp-blend of theta_i and theta_i/s", params=dict(_YARN_PARAMS),
+        "ntk_by_parts",
+        ntk_by_parts,
+        "YaRN's frequency ramp without temperature",
+        "ramp-blend of theta_i and theta_i/s",
+        params=dict(_YARN_PARAMS),
         native_fn=lambda g, factor, params, rope: {
-            "rope_type": "yarn", "factor": factor, **_base(g, rope), **_window(g), **_ramp(params), "attention_factor": 1.0,
+            "rope_type": "yarn",
+            "factor": factor,
+            **_base(g, rope),
+            **_window(g),
+            **_ramp(params),
+            "attention_factor": 1.0,
         },
     ),
     RopeMethod(
-        "llama3", llama3, "Llama 3.1 wavelength-banded scaling",
+        "llama3",
+        llama3,
+        "Llama 3.1 wavelength-banded scaling",
         "theta_i if lambda < L/hf; theta_i/s if lambda > L/lf; smooth blend between",
         params={"low_freq_factor": 1.0, "high_freq_factor": 4.0},
-        native_fn=lambda g, factor, params, rope: {"rope_type": "llama3", "factor": factor, **_base(g, rope), **_window(g), **params},
+        native_fn=lambda g, factor, params, rope: {
+            "rope_type": "llama3",
+            "factor": factor,
+            **_base(g, rope),
+            **_window(g),
+            **params,
+        },
     ),
 ]

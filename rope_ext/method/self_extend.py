@@ -124,13 +124,15 @@ def choose(factor: float, window_tokens: int, rule: str = DEFAULT_GROUP_RULE, wi
 
 def rule_notes(window_tokens: int, target: int, group: int, window: int) -> dict:
     """The authors' rule for (G, W) at N = `target` tokens, as PatchInfo.notes states it."""
-    return {"authors_rule": {
-        "statement": f"W + (N - W) / G <= {AUTHORS_FRACTION} L (Jin et al. 2024)",
-        "target": target,
-        "value": float(grouped_span(target, group, window)),
-        "limit": float(rule_limit(window_tokens)),
-        "holds": follows_rule(window_tokens, target, group, window),
-    }}
+    return {
+        "authors_rule": {
+            "statement": f"W + (N - W) / G <= {AUTHORS_FRACTION} L (Jin et al. 2024)",
+            "target": target,
+            "value": float(grouped_span(target, group, window)),
+            "limit": float(rule_limit(window_tokens)),
+            "holds": follows_rule(window_tokens, target, group, window),
+        }
+    }
 
 
 def longest_within_rule(window_tokens: int, group: int, window: int) -> int:
@@ -165,7 +167,9 @@ class SelfExtendMethod(TwoPartMethod):
         if params["group"] is not None and params["group"] < 2:
             raise ValueError(f"{NAME}: group must be >= 2 (group 1 is the unpatched model), got {params['group']}")
         if params["group_rule"] is not None and params["group_rule"] not in GROUP_RULES:
-            raise ValueError(f"{NAME}: group_rule must be None or one of {', '.join(map(repr, GROUP_RULES))}, got {params['group_rule']!r}")
+            raise ValueError(
+                f"{NAME}: group_rule must be None or one of {', '.join(map(repr, GROUP_RULES))}, got {params['group_rule']!r}"
+            )
         if factor is None and params["group"] is None:
             raise ValueError(f"{NAME} needs a factor (e.g. factor=4) or a group size (e.g. group=4)")
         return params
@@ -180,8 +184,13 @@ class SelfExtendMethod(TwoPartMethod):
         if group is None:
             rule = DEFAULT_GROUP_RULE if rule is None else rule
             group, window = choose(factor, trained, rule, window)
-        factor = self.reached(factor, capacity(trained, group, window), trained, f"group {group} with window {window}",
-                              "; raise the group, lower the window or the factor")
+        factor = self.reached(
+            factor,
+            capacity(trained, group, window),
+            trained,
+            f"group {group} with window {window}",
+            "; raise the group, lower the window or the factor",
+        )
         target = math.ceil(trained * factor)  # PatchInfo.max_length
         if params["group"] is not None and rule is not None:
             # a reload gives both, as resolved; a group the rule did not pick must not be recorded as its choice
@@ -210,5 +219,6 @@ class SelfExtendMethod(TwoPartMethod):
         return torch.div(k_pos, params["group"], rounding_mode="floor")
 
 
-METHOD = SelfExtendMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True,
-                          switches="grouped attention")
+METHOD = SelfExtendMethod(
+    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True, switches="grouped attention"
+)

@@ -143,18 +143,27 @@ class SinkWindowAttention(RotateInAttention):
             if sinks:
                 inv_freq, scale = frame.angles(trained)
                 cos, sin = cos_sin(inv_freq, scale, frame.q_pos.new_full((1, q_len - exact), span - 1), query.dtype)
-                sink_out, sink_lse = attend_with_lse(apply_rotary(query[:, :, exact:], cos, sin, layout),
-                                                     true_positions(key, True, 0, sinks), value[:, :, :sinks], scale=scaling)
+                sink_out, sink_lse = attend_with_lse(
+                    apply_rotary(query[:, :, exact:], cos, sin, layout),
+                    true_positions(key, True, 0, sinks),
+                    value[:, :, :sinks],
+                    scale=scaling,
+                )
             batch, heads = query.shape[:2]
             block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
             for lo in range(0, q_len - exact, block):
                 hi = min(lo + block, q_len - exact)
                 # row lo + r sees window keys lo + r .. lo + r + window - 1 of k_window
-                band = torch.arange(hi - lo + window - 1, device=query.device)[None, :] - torch.arange(hi - lo, device=query.device)[:, None]
+                band = (
+                    torch.arange(hi - lo + window - 1, device=query.device)[None, :]
+                    - torch.arange(hi - lo, device=query.device)[:, None]
+                )
                 mask = torch.zeros(band.shape, dtype=query.dtype, device=query.device)
                 mask = mask.masked_fill_((band < 0) | (band >= window), torch.finfo(query.dtype).min)[None, None]
                 keys = slice(lo, hi + window - 1)
-                out, lse = attend_with_lse(q_own[:, :, lo:hi], k_window[:, :, keys], v_window[:, :, keys], mask=mask, scale=scaling)
+                out, lse = attend_with_lse(
+                    q_own[:, :, lo:hi], k_window[:, :, keys], v_window[:, :, keys], mask=mask, scale=scaling
+                )
                 parts = [(out, lse, None)]
                 if sinks:
                     parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))

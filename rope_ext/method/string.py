@@ -10,7 +10,8 @@ key at position j <= i, with shift S and local window W,
 
 both parts in one softmax. Distances S .. L - 1, the least trained, are no longer used past W + (L -
 1 - S); the well-trained small distances are used twice. Defaults from the paper: S = int(0.33 N)
-(N the length the patch is meant for; "0.25 to 0.4" of it) and W = 128.
+(N the length the patch is meant for; "0.25 to 0.4" of it) and W = 128 (S / 2 where S is
+smaller, in models with a small window).
 
 Inside the trained window (no factor, or factor 1: N = L) the frequencies are the trained ones, and a
 sequence shorter than S is the unpatched model's, bit for bit. To reach N > L the largest distance,
@@ -43,10 +44,11 @@ from .base import ModelFacts, check_factor, default_inv_freq
 from .rope import yarn
 
 NAME = "string"
-PARAMS = {"shift": None, "local": 128, "temperature": False}
+PARAMS = {"shift": None, "local": None, "temperature": False}
 SUMMARY = "STRING: distances past the shift S replaced by well-trained ones, d - S + W (over YaRN past the window)"
 FORMULA = "i-j < S: distance i-j; else i-j-S+W (query at i-S+W); one softmax; frequencies yarn((N-S)/L) when N - S > L"
 SHIFT_FRACTION = 0.33  # of N, the paper's default (An et al. 2025, section 4)
+LOCAL = 128  # W, the paper's default
 TEMPERATURE = 1.0693  # cos/sin scale of HKUNLP/STRING's code for queries and keys
 
 
@@ -79,9 +81,11 @@ class StringMethod(TwoPartMethod):
         factor = 1.0 if factor is None else float(factor)
         target = math.ceil(trained * factor)
         shift = int(SHIFT_FRACTION * target) if params["shift"] is None else params["shift"]
-        local = params["local"]
+        local = min(LOCAL, shift // 2) if params["local"] is None else params["local"]
         if not local < shift:
-            raise ValueError(f"{NAME}: need local < shift (the shift moves distances down to local), got local={local}, shift={shift}")
+            raise ValueError(
+                f"{NAME}: need local < shift (the shift moves distances down to local), got local={local}, shift={shift}"
+            )
         reach = max(trained, target - shift)  # the window of the frequencies: trained, or yarn's at (N - S) / L
         if shift > reach:
             raise ValueError(
@@ -89,8 +93,10 @@ class StringMethod(TwoPartMethod):
                 f"or N - S past it): distances below the shift keep their RoPE distance"
             )
         if shift >= target:
-            raise ValueError(f"{NAME}: shift {shift} is not below the {target} tokens the patch is meant for: nothing would shift")
-        return factor, {**params, "shift": shift}
+            raise ValueError(
+                f"{NAME}: shift {shift} is not below the {target} tokens the patch is meant for: nothing would shift"
+            )
+        return factor, {**params, "shift": shift, "local": local}
 
     def near_window(self, params: dict) -> int:
         return params["shift"]

@@ -34,7 +34,12 @@ def load_config(path: str | os.PathLike) -> dict:
     if unknown:
         raise ValueError(f"config {path}: unknown encoding(s) {unknown}; choose from {', '.join(ENCODINGS)}")
     multiples = cfg["eval"]["multiples"]
-    if not multiples or multiples[0] != 1 or any(not isinstance(m, int) or m < 1 for m in multiples) or sorted(set(multiples)) != multiples:
+    if (
+        not multiples
+        or multiples[0] != 1
+        or any(not isinstance(m, int) or m < 1 for m in multiples)
+        or sorted(set(multiples)) != multiples
+    ):
         raise ValueError(f"config {path}: eval.multiples must be increasing integers starting at 1, got {multiples}")
     extensions = cfg["eval"].get("rope_extensions") or {}
     if not isinstance(extensions, dict):
@@ -43,7 +48,9 @@ def load_config(path: str | os.PathLike) -> dict:
         raise ValueError(f"config {path}: rope_extensions need the rope encoding")
     for method in extensions:
         if method not in EXTENSION_LABELS:
-            raise ValueError(f"config {path}: rope extension {method!r} not supported here; choose from {', '.join(EXTENSION_LABELS)}")
+            raise ValueError(
+                f"config {path}: rope extension {method!r} not supported here; choose from {', '.join(EXTENSION_LABELS)}"
+            )
     if cfg["data"]["eval_windows"] < 1 or cfg["train"]["steps"] < 1 or cfg["threads"] < 1:
         raise ValueError(f"config {path}: eval_windows, steps and threads must be >= 1")
     return cfg

@@ -48,10 +48,7 @@ class PositionEncoding(nn.Module):
 
     def check_length(self, seq_len: int) -> None:
         if self.max_length is not None and seq_len > self.max_length:
-            raise ValueError(
-                f"{self.name}: input of {seq_len} tokens, but this encoding has no positions past "
-                f"{self.max_length}"
-            )
+            raise ValueError(f"{self.name}: input of {seq_len} tokens, but this encoding has no positions past {self.max_length}")
 
     def embed(self, seq_len: int, device=None) -> torch.Tensor | None:
         return None
@@ -153,7 +150,9 @@ class DebertaDisentangled(PositionEncoding):
     def __init__(self, hidden_size: int, num_buckets: int = 128, max_distance: int = 256):
         super().__init__()
         if num_buckets < 4 or max_distance <= num_buckets // 2 + 1:
-            raise ValueError(f"deberta: need num_buckets >= 4 and max_distance > num_buckets/2 + 1, got {num_buckets}, {max_distance}")
+            raise ValueError(
+                f"deberta: need num_buckets >= 4 and max_distance > num_buckets/2 + 1, got {num_buckets}, {max_distance}"
+            )
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         self.table = nn.Embedding(num_buckets, hidden_size)
@@ -200,9 +199,7 @@ class Alibi(PositionEncoding):
         return bias.masked_fill_(future_mask(seq_len, device), float("-inf")).unsqueeze(0)
 
 
-def build_encoding(
-    name: str, hidden_size: int, num_heads: int, window: int, init_std: float, **params
-) -> PositionEncoding:
+def build_encoding(name: str, hidden_size: int, num_heads: int, window: int, init_std: float, **params) -> PositionEncoding:
     """The encoding `name` for a decoder of this shape, its parameters drawn from N(0, init_std);
     `params` are the family's own settings."""
     encoding = _build(name, hidden_size, num_heads, window, init_std, params)

@@ -25,9 +25,7 @@ def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def evaluate_cell(
-    checkpoint: str, method: str | None, params: dict, length: int, tokens: torch.LongTensor, threads: int
-) -> dict:
+def evaluate_cell(checkpoint: str, method: str | None, params: dict, length: int, tokens: torch.LongTensor, threads: int) -> dict:
     """Perplexity, throughput and peak memory of one model at one length; run in a fresh process.
 
     `tokens` holds n * length + 1 tokens: n non-overlapping windows, each scored on every token."""

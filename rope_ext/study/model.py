@@ -159,9 +159,7 @@ def build_model(encoding: str, shape: ModelShape, seed: int, **encoding_params) 
         if encoding_params:
             raise ValueError(f"rope takes no encoding parameters here, got {sorted(encoding_params)}")
         return llama
-    enc = build_encoding(
-        encoding, shape.hidden_size, shape.num_heads, shape.window, config.initializer_range, **encoding_params
-    )
+    enc = build_encoding(encoding, shape.hidden_size, shape.num_heads, shape.window, config.initializer_range, **encoding_params)
     model = CompactDecoder(config, enc)
     missing, unexpected = model.load_state_dict(llama.state_dict(), strict=False)
     own = {name for name, _ in model.named_parameters() if name.startswith("model.encoding.")}

@@ -59,8 +59,10 @@ def render_markdown(results: dict) -> str:
             lines.append(
                 f"| {row['label']} | {row['params']:,} | {row['final_loss']:.3f} | {row['seconds']:.0f} | {row['cpu_seconds']:.0f} |"
             )
-    for title, field, fmt in (("Peak memory of the evaluation (MB above the loaded model)", "peak_mb", ".1f"),
-                              ("Throughput (scored tokens/s)", "tokens_per_s", ",")):
+    for title, field, fmt in (
+        ("Peak memory of the evaluation (MB above the loaded model)", "peak_mb", ".1f"),
+        ("Throughput (scored tokens/s)", "tokens_per_s", ","),
+    ):
         lines += ["", f"## {title}", "", f"| encoding | {head} |", "|---" * (len(lengths) + 1) + "|"]
         for row in results["rows"].values():
             cells = " | ".join(cell_text(row["cells"][str(n)], field, fmt) for n in lengths)
@@ -68,11 +70,11 @@ def render_markdown(results: dict) -> str:
     lines += ["", "## Against the articles' claims", "", *claims_comparison(results), "", "## How this was measured", ""]
     env = results["environment"]
     lines += [
-        f"- Perplexity: exp of the mean next-token NLL over all scored tokens, one window per forward.",
-        f"- Peak memory: each cell runs in a fresh process forked from a clean server; the number is "
-        f"ru_maxrss (the kernel's RSS high-water mark) after the cell minus ru_maxrss once the model is "
-        f"loaded and warmed up. It covers activations, attention biases and logits; the weights are in the "
-        f"baseline. tracemalloc does not see torch's allocations and RSS sampling can miss short peaks.",
+        "- Perplexity: exp of the mean next-token NLL over all scored tokens, one window per forward.",
+        "- Peak memory: each cell runs in a fresh process forked from a clean server; the number is "
+        "ru_maxrss (the kernel's RSS high-water mark) after the cell minus ru_maxrss once the model is "
+        "loaded and warmed up. It covers activations, attention biases and logits; the weights are in the "
+        "baseline. tracemalloc does not see torch's allocations and RSS sampling can miss short peaks.",
         f"- Throughput: scored tokens / wall time of the cell, batch 1, torch threads: {env['threads']}.",
         f"- Machine: {env['cpus']} CPUs, torch {env['torch']}, transformers {env['transformers']}; load "
         f"average {env['load_start']} at start, {env['load_end']} at the end (other work shares this machine, "

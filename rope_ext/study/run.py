@@ -77,7 +77,9 @@ def run_study(cfg: dict, out: Path, overwrite: bool = False) -> dict:
             n = len(eval_tokens) // length
             result = pool.apply(evaluate_cell, (str(checkpoint), method, params, length, eval_tokens[: n * length + 1], threads))
             rows[key]["cells"][str(length)] = result
-            tqdm.write(f"{rows[key]['label']:<26} {length:>6}: ppl {result['ppl']:9.2f}  {result['peak_mb']:7.1f} MB  {result['tokens_per_s']:>7,} tok/s")
+            tqdm.write(
+                f"{rows[key]['label']:<26} {length:>6}: ppl {result['ppl']:9.2f}  {result['peak_mb']:7.1f} MB  {result['tokens_per_s']:>7,} tok/s"
+            )
 
     eval_cpu = sum(c.get("process_cpu_seconds", 0.0) for row in rows.values() for c in row["cells"].values())
     m = cfg["model"]

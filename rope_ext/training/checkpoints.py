@@ -102,8 +102,9 @@ def checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-def save_checkpoint(state: TrainingState, out: Path, step: int, digest: str, keep: int, evals: list[dict],
-                    history: list[dict]) -> None:
+def save_checkpoint(
+    state: TrainingState, out: Path, step: int, digest: str, keep: int, evals: list[dict], history: list[dict]
+) -> None:
     """The training state and the evals and per-step log so far, into a temporary folder renamed
     into place only when every rank has finished writing."""
     accelerator = state.accelerator
@@ -169,8 +170,9 @@ def checkpoint_to_resume(out: Path, resume: str | None, cfg: dict, world: int, l
     return None
 
 
-def start_or_resume(state: TrainingState, out: Path, cfg: dict, world: int,
-                    checkpoint: Path | None) -> tuple[int, list[dict], list[dict]]:
+def start_or_resume(
+    state: TrainingState, out: Path, cfg: dict, world: int, checkpoint: Path | None
+) -> tuple[int, list[dict], list[dict]]:
     """(first step, evals so far, per-step log so far): restored from `checkpoint`, or a new run
     folder that records its configuration for a later --resume."""
     accelerator = state.accelerator
@@ -181,9 +183,18 @@ def start_or_resume(state: TrainingState, out: Path, cfg: dict, world: int,
         start, evals, history = resumed["step"], resumed["evals"], resumed["history"]
     elif accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run_config.json").write_text(json.dumps(
-            {"config": cfg, "config_digest": config_digest(cfg), "data_parallel_size": world,
-             "checkpoint_layout": checkpoint_layout(accelerator)}, indent=2, default=str
-        ) + "\n")
+        (out / "run_config.json").write_text(
+            json.dumps(
+                {
+                    "config": cfg,
+                    "config_digest": config_digest(cfg),
+                    "data_parallel_size": world,
+                    "checkpoint_layout": checkpoint_layout(accelerator),
+                },
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
     accelerator.wait_for_everyone()
     return start, evals, history

@@ -26,8 +26,10 @@ def check_trackers(names: list[str]) -> None:
         if name not in known:
             raise ConfigError(f"output.log_with: unknown tracker {name!r}; accelerate knows {', '.join(known)}")
         if name not in available:
-            raise ConfigError(f"output.log_with: the {name} tracker is not installed (pip install {name}, "
-                              "or `pip install rope-ext[tracking]` for tensorboard), or drop it from output.log_with")
+            raise ConfigError(
+                f"output.log_with: the {name} tracker is not installed (pip install {name}, "
+                "or `pip install rope-ext[tracking]` for tensorboard), or drop it from output.log_with"
+            )
 
 
 def check_launch(accelerator) -> None:
@@ -37,8 +39,10 @@ def check_launch(accelerator) -> None:
     machine without one); on a CPU it drops the plugin without a word, and the processes train as
     DDP over gloo (one process: alone). Without the deepspeed package, accelerate's Accelerator
     refuses a DeepSpeed launch itself."""
-    for flag, name, wanted in (("ACCELERATE_USE_FSDP", "FSDP", DistributedType.FSDP),
-                               ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", DistributedType.DEEPSPEED)):
+    for flag, name, wanted in (
+        ("ACCELERATE_USE_FSDP", "FSDP", DistributedType.FSDP),
+        ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed", DistributedType.DEEPSPEED),
+    ):
         if parse_flag_from_env(flag) and accelerator.distributed_type != wanted:
             raise ConfigError(
                 f"this launch asks for {name} ({flag}=true), which accelerate {accelerate.__version__} runs on GPUs and "
@@ -51,35 +55,50 @@ def check_precision(cfg: dict, mixed_precision: str) -> None:
     """A half-precision base needs the autocast of its dtype, whatever accelerate's config says."""
     needed = HALF_PRECISION.get(cfg["model"]["dtype"])
     if needed and mixed_precision != needed:
-        raise ConfigError(f"model.dtype {cfg['model']['dtype']} trains under {needed} autocast; this launch's mixed "
-                          f"precision is {mixed_precision!r}: set training.precision to auto or {needed}")
+        raise ConfigError(
+            f"model.dtype {cfg['model']['dtype']} trains under {needed} autocast; this launch's mixed "
+            f"precision is {mixed_precision!r}: set training.precision to auto or {needed}"
+        )
 
 
 def check_quantization(cfg: dict, accelerator) -> None:
     """QLoRA's 4-bit base needs bitsandbytes and a CUDA GPU, and one unsharded replica per GPU."""
     if not cfg["model"]["load_in_4bit"]:
         return
-    missing = [what for what, there in (("the bitsandbytes package (pip install bitsandbytes)",
-                                         importlib.util.find_spec("bitsandbytes") is not None),
-                                        ("a CUDA GPU", torch.cuda.is_available())) if not there]
+    missing = [
+        what
+        for what, there in (
+            ("the bitsandbytes package (pip install bitsandbytes)", importlib.util.find_spec("bitsandbytes") is not None),
+            ("a CUDA GPU", torch.cuda.is_available()),
+        )
+        if not there
+    ]
     if missing:
-        raise ConfigError(f"model.load_in_4bit (QLoRA) needs {' and '.join(missing)}, which this machine lacks; "
-                          "train the base in bfloat16 instead (--no-load-in-4bit --dtype bfloat16)")
+        raise ConfigError(
+            f"model.load_in_4bit (QLoRA) needs {' and '.join(missing)}, which this machine lacks; "
+            "train the base in bfloat16 instead (--no-load-in-4bit --dtype bfloat16)"
+        )
     if is_sharded(accelerator):
-        raise ConfigError("model.load_in_4bit runs on one GPU or under DDP; FSDP and DeepSpeed shard parameters "
-                          "that bitsandbytes keeps packed: use a DDP or single-device accelerate config")
+        raise ConfigError(
+            "model.load_in_4bit runs on one GPU or under DDP; FSDP and DeepSpeed shard parameters "
+            "that bitsandbytes keeps packed: use a DDP or single-device accelerate config"
+        )
 
 
 def check_parallelism(cfg: dict, cp_size: int) -> None:
     if cp_size > 1:
         if rope_ext.methods()[cfg["patch"]["method"]]["dynamic"] or cfg["training"]["s2_groups"]:
-            raise ConfigError("context parallelism supports static methods with full attention only (no dynamic method, no s2_groups)")
+            raise ConfigError(
+                "context parallelism supports static methods with full attention only (no dynamic method, no s2_groups)"
+            )
         if cfg["model"]["attn_implementation"] != "sdpa":
             raise ConfigError("context parallelism needs model.attn_implementation: sdpa")
         if cfg["training"]["pose"]:
-            raise ConfigError("training.pose cannot run under context parallelism: PoSE's skipped position ids go with an "
-                              "attention mask (so that transformers does not cut attention at the skip) that context "
-                              "parallelism does not shard; PoSE trains at the original window, which needs no sequence sharding")
+            raise ConfigError(
+                "training.pose cannot run under context parallelism: PoSE's skipped position ids go with an "
+                "attention mask (so that transformers does not cut attention at the skip) that context "
+                "parallelism does not shard; PoSE trains at the original window, which needs no sequence sharding"
+            )
 
 
 def length_multiple(cfg: dict, cp_size: int) -> tuple[int, list[str]]:

@@ -122,10 +122,20 @@ FLAGS = [
     ("--gradient-checkpointing", "training.gradient_checkpointing", bool, "recompute activations in backward"),
     ("--precision", "training.precision", str, "auto | no | bf16 | fp16 (unset: accelerate's own setting)"),
     ("--s2-groups", "training.s2_groups", int, "LongLoRA shifted sparse attention groups (0: off)"),
-    ("--pose", "training.pose", bool, "PoSE positional skip-wise training: short sequences, position ids up to the patched window"),
+    (
+        "--pose",
+        "training.pose",
+        bool,
+        "PoSE positional skip-wise training: short sequences, position ids up to the patched window",
+    ),
     ("--seed", "training.seed", int, "seed for LoRA init, data order and dropout"),
     ("--eval-every", "eval.every", int, "perplexity eval at the target length every N steps (0: off)"),
-    ("--eval-source", "eval.source", str, "held-out text: gutenberg | text/JSONL file or folder | datasets id (clears eval.include)"),
+    (
+        "--eval-source",
+        "eval.source",
+        str,
+        "held-out text: gutenberg | text/JSONL file or folder | datasets id (clears eval.include)",
+    ),
     ("--eval-include", "eval.include", _csv, "comma-separated document names to evaluate on (empty: every document)"),
     ("--eval-split", "eval.split", str, "datasets split of the held-out text"),
     ("--eval-text-field", "eval.text_field", str, "datasets text column of the held-out text"),
@@ -161,11 +171,15 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", help="YAML config (recipes/configs/finetune_*.yaml)")
     parser.add_argument(
-        "--resume", nargs="?", const="latest", default=None,
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
         help="continue from the newest checkpoint in --out (or from the checkpoint folder given)",
     )
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="method parameter (patch.params), repeatable")
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="KEY=VALUE", help="method parameter (patch.params), repeatable"
+    )
     for flag, key, kind, help_text in FLAGS:
         # the default shown is the built-in one; the flag's own default (None) means "keep the YAML's"
         section, name = key.split(".")
@@ -246,8 +260,10 @@ def check_config(cfg: dict) -> None:
     if cfg["training"]["warmup_steps"] >= cfg["training"]["max_steps"]:
         raise ConfigError("training.warmup_steps must be smaller than training.max_steps")
     if cfg["training"]["precision"] not in (None, "auto", "no", "bf16", "fp16"):
-        raise ConfigError(f"training.precision must be auto, no, bf16, fp16 or unset (accelerate's setting), "
-                          f"got {cfg['training']['precision']!r}")
+        raise ConfigError(
+            f"training.precision must be auto, no, bf16, fp16 or unset (accelerate's setting), "
+            f"got {cfg['training']['precision']!r}"
+        )
     check_dtype(cfg)
     trackers = cfg["output"]["log_with"]
     if not isinstance(trackers, list) or not all(isinstance(t, str) for t in trackers):
@@ -259,8 +275,10 @@ def check_config(cfg: dict) -> None:
     if cfg["training"]["pose"]:
         check_pose_method(method, spec)
         if cfg["training"]["s2_groups"]:
-            raise ConfigError("training.pose cannot be combined with training.s2_groups: PoSE trains at the original window "
-                              "with full attention, shifted sparse attention at the extended one; use one of them")
+            raise ConfigError(
+                "training.pose cannot be combined with training.s2_groups: PoSE trains at the original window "
+                "with full attention, shifted sparse attention at the extended one; use one of them"
+            )
 
 
 def check_dtype(cfg: dict) -> None:
@@ -271,8 +289,10 @@ def check_dtype(cfg: dict) -> None:
         raise ConfigError(f"model.load_in_4bit must be true or false, got {cfg['model']['load_in_4bit']!r}")
     needed = HALF_PRECISION.get(dtype)
     if needed and precision not in (None, "auto", needed):
-        raise ConfigError(f"model.dtype {dtype} trains under {needed} autocast; training.precision {precision!r} "
-                          f"does not give it: set training.precision to auto or {needed}")
+        raise ConfigError(
+            f"model.dtype {dtype} trains under {needed} autocast; training.precision {precision!r} "
+            f"does not give it: set training.precision to auto or {needed}"
+        )
 
 
 def pose_refusal(spec) -> str | None:

@@ -62,9 +62,14 @@ def tokenize_cached(texts: list[tuple[str, str]], tokenizer, num_proc: int = 1) 
     path.parent.mkdir(parents=True, exist_ok=True)
     table = Dataset.from_dict({"name": [n for n, _ in texts], "text": [t for _, t in texts]})
     tokenized = table.map(
-        _tokenize, fn_kwargs={"tokenizer": tokenizer}, batched=True, remove_columns=["text"],
+        _tokenize,
+        fn_kwargs={"tokenizer": tokenizer},
+        batched=True,
+        remove_columns=["text"],
         num_proc=min(num_proc, len(texts)) if num_proc > 1 else None,
-        cache_file_name=str(path), load_from_cache_file=True, desc="tokenizing",
+        cache_file_name=str(path),
+        load_from_cache_file=True,
+        desc="tokenizing",
     )
     ids = tokenized.with_format("torch", columns=["input_ids"], dtype=torch.long)["input_ids"]
     documents = [Document(name, row) for name, row in zip(tokenized["name"], ids) if len(row) >= 2]
@@ -91,4 +96,6 @@ def first_tokens(documents: list, limit: int) -> list:
 def pack(stream: torch.LongTensor, seq_len: int) -> torch.LongTensor:
     """[n, seq_len + 1] blocks; consecutive blocks share one token, so every token is a target once."""
     n = (len(stream) - 1) // seq_len
-    return torch.stack([stream[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)]) if n else stream.new_zeros((0, seq_len + 1))
+    return (
+        torch.stack([stream[i * seq_len : (i + 1) * seq_len + 1] for i in range(n)]) if n else stream.new_zeros((0, seq_len + 1))
+    )

@@ -92,9 +92,13 @@ def train_step(accelerator, model, optimizer, scheduler, batches, run: dict, cp_
             # packed document and stops attention there; an all-ones mask keeps one causal sequence.
             mask, positions = torch.ones_like(inputs), positions.to(accelerator.device)
         # Context parallelism shards the sequence of every buffer in place (a no-op without it).
-        split = accelerator.maybe_context_parallel(
-            buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 1], no_restore_buffers={inputs, labels, positions}
-        ) if cp_size > 1 else contextlib.nullcontext()
+        split = (
+            accelerator.maybe_context_parallel(
+                buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 1], no_restore_buffers={inputs, labels, positions}
+            )
+            if cp_size > 1
+            else contextlib.nullcontext()
+        )
         with accelerator.accumulate(model), split:
             logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())

@@ -42,8 +42,16 @@ class HeldOut:
     under the launch's autocast, which a half-precision base needs (its float32 trainable norms
     feed half-precision matmuls); a float32 base is evaluated in float32."""
 
-    def __init__(self, accelerator, model, documents: list, seq_len: int, attention: AttentionSwitch, evals: list[dict],
-                 autocast: bool = False):
+    def __init__(
+        self,
+        accelerator,
+        model,
+        documents: list,
+        seq_len: int,
+        attention: AttentionSwitch,
+        evals: list[dict],
+        autocast: bool = False,
+    ):
         self.accelerator, self.model, self.documents, self.seq_len = accelerator, model, documents, seq_len
         self.attention, self.evals, self.autocast = attention, evals, autocast
 

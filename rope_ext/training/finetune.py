@@ -12,8 +12,15 @@ from accelerate.utils import set_seed
 
 from .checkpoints import TrainingState, checkpoint_layout, checkpoint_to_resume, save_checkpoint, start_or_resume
 from .checks import (
-    check_eval_documents, check_launch, check_length, check_parallelism, check_pose_length, check_precision,
-    check_quantization, check_sequences, check_trackers,
+    check_eval_documents,
+    check_launch,
+    check_length,
+    check_parallelism,
+    check_pose_length,
+    check_precision,
+    check_quantization,
+    check_sequences,
+    check_trackers,
 )
 from .config import config_digest, parse_args
 from .data import first_tokens, load_documents, pack, token_stream
@@ -90,12 +97,19 @@ def train(cfg: dict, resume: str | None) -> dict:
     if held_out is not None and start == 0:
         held_out(0)  # before the clock starts
     model.train()
-    progress = Progress(run["max_steps"], start, tokens_per_step, disable=not main,
-                        desc=f"{info.method} x{info.factor:g} @ {seq_len} ({n_trainable / 1e6:.2f}M of {n_total / 1e6:.1f}M trainable)")
+    progress = Progress(
+        run["max_steps"],
+        start,
+        tokens_per_step,
+        disable=not main,
+        desc=f"{info.method} x{info.factor:g} @ {seq_len} ({n_trainable / 1e6:.2f}M of {n_total / 1e6:.1f}M trainable)",
+    )
     losses, log_step = RecentLoss(), StepLog(accelerator, history)
     for step in range(start, run["max_steps"]):
-        batches = ((sequences[order.indices(step, micro, dp_rank)],
-                    positions(order.samples(step, micro, dp_rank)) if pose else None) for micro in range(run["grad_accum"]))
+        batches = (
+            (sequences[order.indices(step, micro, dp_rank)], positions(order.samples(step, micro, dp_rank)) if pose else None)
+            for micro in range(run["grad_accum"])
+        )
         lr = scheduler.get_last_lr()[0]
         loss = train_step(accelerator, model, optimizer, scheduler, batches, run, cp_size)
         losses.add(loss)

@@ -37,7 +37,10 @@ def load_kwargs(cfg: dict, device) -> dict:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
         )
         kwargs["device_map"] = {"": device}
     return kwargs
@@ -88,8 +91,12 @@ def lora_model(model, cfg: dict, targets: list[str]):
     model.config.use_cache = False
     extras = trainable_extras(model, cfg)
     lora = LoraConfig(
-        r=cfg["lora"]["r"], lora_alpha=cfg["lora"]["alpha"], lora_dropout=cfg["lora"]["dropout"],
-        target_modules=targets, modules_to_save=extras or None, task_type="CAUSAL_LM",
+        r=cfg["lora"]["r"],
+        lora_alpha=cfg["lora"]["alpha"],
+        lora_dropout=cfg["lora"]["dropout"],
+        target_modules=targets,
+        modules_to_save=extras or None,
+        task_type="CAUSAL_LM",
         # a trained copy of tied input embeddings must stay tied to the LM head
         ensure_weight_tying=cfg["lora"]["train_embeddings"] and bool(getattr(model.config, "tie_word_embeddings", False)),
     )

@@ -44,31 +44,32 @@ def loss_figure(log: dict) -> Figure:
     ax = fig.subplots()
     ax.plot([h["step"] for h in log["history"]], [h["loss"] for h in log["history"]], lw=1, label="training loss (per step)")
     if log["evals"]:
-        ax.plot([e["step"] for e in log["evals"]], [e["nll"] for e in log["evals"]], "o-",
-                label="held-out NLL")
+        ax.plot([e["step"] for e in log["evals"]], [e["nll"] for e in log["evals"]], "o-", label="held-out NLL")
     patch = log["config"]["patch"]
-    ax.set(xlabel="optimizer step", ylabel="nats per token", title=f"{patch['method']} x{patch['factor']} at {log['seq_len']} tokens")
+    ax.set(
+        xlabel="optimizer step", ylabel="nats per token", title=f"{patch['method']} x{patch['factor']} at {log['seq_len']} tokens"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     return fig
 
 
 def write_results(out: Path, log: dict) -> None:
-    rows = [
-        f"| {e['step']} | {e['ppl']:.3f} | {e['nll']:.4f} | {e['tokens']} |" for e in log["evals"]
-    ]
+    rows = [f"| {e['step']} | {e['ppl']:.3f} | {e['nll']:.4f} | {e['tokens']} |" for e in log["evals"]]
     patch = log["config"]["patch"]
-    text = "\n".join([
-        f"# Fine-tune: {patch['method']} x{patch['factor']} at {log['seq_len']} tokens",
-        "",
-        f"Base model `{log['base_model']}` (window {log['patch']['original_window']}), LoRA r={log['config']['lora']['r']}, "
-        f"{log['steps']} steps, {log['tokens_trained']:,} tokens, {log['seconds']} s ({log['tokens_per_s']:,} tokens/s).",
-        "",
-        f"Held-out perplexity at {log['seq_len']} tokens (step 0 = the training-free patch):",
-        "",
-        "| step | PPL | NLL | tokens |",
-        "|---|---|---|---|",
-        *rows,
-        "",
-    ])
+    text = "\n".join(
+        [
+            f"# Fine-tune: {patch['method']} x{patch['factor']} at {log['seq_len']} tokens",
+            "",
+            f"Base model `{log['base_model']}` (window {log['patch']['original_window']}), LoRA r={log['config']['lora']['r']}, "
+            f"{log['steps']} steps, {log['tokens_trained']:,} tokens, {log['seconds']} s ({log['tokens_per_s']:,} tokens/s).",
+            "",
+            f"Held-out perplexity at {log['seq_len']} tokens (step 0 = the training-free patch):",
+            "",
+            "| step | PPL | NLL | tokens |",
+            "|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
     (out / "results.md").write_text(text)

@@ -27,7 +27,9 @@ class Progress:
         elapsed = self.seconds()
         rate, self.last = self.tokens_per_step / (elapsed - self.last), elapsed
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_step * (done - self.start) / elapsed:,.0f}", lr=f"{lr:.2e}")
+        self.bar.set_postfix(
+            loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_step * (done - self.start) / elapsed:,.0f}", lr=f"{lr:.2e}"
+        )
         return rate
 
     @contextlib.contextmanager

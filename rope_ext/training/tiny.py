@@ -162,9 +162,7 @@ def check_replaceable(target: Path) -> None:
         raise FileExistsError(f"{target} exists and is not a tiny-model checkpoint; choose another --out")
 
 
-def ensure_tiny(
-    config_path: str | os.PathLike | None = None, force: bool = False, out: str | os.PathLike | None = None
-) -> Path:
+def ensure_tiny(config_path: str | os.PathLike | None = None, force: bool = False, out: str | os.PathLike | None = None) -> Path:
     """The checkpoint directory for `config_path`, training it first if it is not cached.
 
     Training writes into a temporary sibling and renames it into place, under a lock file: a
