@@ -65,30 +65,27 @@ def _site(model: nn.Module):
 
 
 def patch(
-    model: nn.Module, method: str, factor: float | None = None, *, original_window: int | None = None, **params
+    model: nn.Module,
+    method: str,
+    factor: float | None = None,
+    *,
+    original_window: int | None = None,
+    _saved: Patch | None = None,
+    **params,
 ) -> PatchInfo:
     """Replace the model's rotary embedding with `method` at `factor` x its original window.
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
-    that is not a finite number > 1, or a model rope-ext does not support."""
-    return _patch(model, method, factor, params, original_window)
+    that is not a finite number > 1, or a model rope-ext does not support.
 
-
-def _patch(
-    model: nn.Module,
-    method: str,
-    factor: float | None,
-    params: dict,
-    original_window: int | None = None,
-    saved: Patch | None = None,
-) -> PatchInfo:
-    """`patch`, given the patch recorded in the model's config where the caller has read it."""
+    `_saved` is reapply's: the patch the model's config records, which it has read already. (A
+    parameter rather than an inner function, so that a method's warning from `resolve` points at
+    the caller of `patch`.)"""
     spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
     adapter, site = _site(model)
-    if saved is None:
-        saved = record.read(site.config)
+    saved = record.read(site.config) if _saved is None else _saved
     original, built_from_original = adapter.original_record(site, original_window, saved)
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
@@ -134,7 +131,7 @@ def reapply(model: nn.Module, path=None) -> PatchInfo | None:
     saved = record.read(model.config, source)
     if saved is None:
         return None
-    info = _patch(model, saved.method, saved.factor, saved.params, saved=saved)
+    info = patch(model, saved.method, saved.factor, _saved=saved, **saved.params)
     methods.get(saved.method, saved.params).load_state(model, path, info.params)
     return info
 

@@ -445,3 +445,10 @@ def test_the_patch_reads_the_same_in_config_json_describe_and_patch_info(tmp_pat
     assert json.dumps(rope_ext.describe(model)) == json.dumps(YARN_DESCRIBED)
     assert json.dumps(info.to_dict()) == json.dumps(YARN_INFO)
     assert json.dumps(rope_ext.describe(rope_ext.from_pretrained(tmp_path))) == json.dumps(YARN_DESCRIBED)
+
+
+def test_a_method_warns_at_the_line_that_called_patch():
+    model = random_model()
+    with pytest.warns(UserWarning, match="breaks its authors' rule") as caught:
+        rope_ext.patch(model, "self_extend", factor=4, group=6)
+    assert [w.filename for w in caught] == [__file__]
