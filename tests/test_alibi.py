@@ -177,6 +177,7 @@ def test_sdpa_agrees_with_eager_and_padding_is_respected():
     torch.testing.assert_close(eager[1, 20:], patched_logits("eager", ids[1:, 20:])[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration
 def test_flex_attention_agrees_with_eager():
     if not _flex_compiles():
         pytest.skip("torch cannot compile flex_attention on this machine")
@@ -410,6 +411,7 @@ def perplexities(model, stream: torch.LongTensor, length: int, n_segments: int, 
     return math.exp(nll.mean().item()), math.exp(per_position[:, past - 1 :].mean().item())
 
 
+@pytest.mark.integration
 def test_trained_tiny_model_bias_beats_plain_rope_at_4x(tiny_path, heldout_ids):
     from transformers import LlamaForCausalLM
 

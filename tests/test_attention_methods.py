@@ -107,16 +107,18 @@ METHODS = [
 ]
 
 
-def cases(case: str, backends: list[str] | None = None) -> list:
-    """pytest params (method, params[, backend]) for each row's parameters for `case`, on each backend."""
+def cases(case: str, backends: list[str] | None = None, integration_on: tuple[str, ...] = ()) -> list:
+    """pytest params (method, params[, backend]) for each row's parameters for `case`, on each backend;
+    those on a backend in `integration_on` marked integration."""
     out = []
     for row in METHODS:
         for params in getattr(row, case):
             name = "-".join([row.name, ",".join(f"{k}={v}" for k, v in params.items())])
             if backends is None:
                 out.append(pytest.param(row.name, params, id=name))
-            else:
-                out += [pytest.param(row.name, params, attn, id=f"{name}-{attn}") for attn in backends]
+            for attn in backends or []:
+                marks = [pytest.mark.integration] if attn in integration_on else []
+                out.append(pytest.param(row.name, params, attn, id=f"{name}-{attn}", marks=marks))
     return out
 
 
@@ -154,7 +156,8 @@ def test_inside_the_window_it_is_the_unpatched_model_bit_for_bit(tiny_model, ids
 # One forward, chunked prefill and token-by-token decoding.
 
 
-@pytest.mark.parametrize("method, params, attn", cases("cached", BACKENDS))
+# a second or two each: the inner loop (-m "not integration") runs them on sdpa only
+@pytest.mark.parametrize("method, params, attn", cases("cached", BACKENDS, integration_on=("eager",)))
 def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, ids, method, params, attn):
     """Chunks of 37 and of L - 3 tokens (rope_ext.chunked_forward, through the patch's own cache),
     then decoding after a prefill: across the window's edge, and the last tokens after a prefill

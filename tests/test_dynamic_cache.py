@@ -27,6 +27,7 @@ def worst_decode_gap(model, ids, prefill, check_every=7):
     return worst
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_trained_model_decode_equals_full_forward(tiny_model, heldout_ids, method, attn):
@@ -37,6 +38,7 @@ def test_trained_model_decode_equals_full_forward(tiny_model, heldout_ids, metho
     assert worst_decode_gap(tiny_model, ids, prefill=window - 8) <= 1e-4
 
 
+@pytest.mark.integration
 def test_transformers_native_dynamic_fails_the_same_check(tiny_model, heldout_ids):
     """The bug we fix, measured on the same model: native dynamic drifts past the window."""
     window = tiny_model.config.max_position_embeddings

@@ -76,6 +76,7 @@ def test_bad_method_parameter_is_refused_before_loading(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.integration
 def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
     """--ruler-samples: lm-eval's niah_single_1 per method and length, beside perplexity and
     passkey, in the JSON, the table and the figure."""

@@ -32,6 +32,7 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
 # Bad --model_args: one line that names the key, exit status 2, and nothing loaded or run.
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "model_args, message",
     [
@@ -85,6 +86,7 @@ def full_windows_excerpt(tokenizer, text: str, n_tokens: int) -> str:
     raise AssertionError("no excerpt tokenizes back to itself")
 
 
+@pytest.mark.integration
 def test_tasks_run_through_lm_eval(tiny_path, tiny_tokenizer, tmp_path):
     from rope_ext.defaults import gutenberg_documents
 
@@ -139,6 +141,7 @@ def test_tasks_run_through_lm_eval(tiny_path, tiny_tokenizer, tmp_path):
     assert math.log(word_ppl) == pytest.approx(ours["nll"] * len(ids) / len(re.split(r"\s+", text)), rel=1e-4)
 
 
+@pytest.mark.integration
 def test_python_route_builds_the_tasks_for_the_evaluated_model(tiny_path, tiny_tokenizer, caplog, monkeypatch):
     """simple_evaluate with the tasks folder on a TaskManager that holds no model_args: the prompts
     follow the tiny model's tokenizer and patched max_length (256), not SmolLM2's 8192 window, and

@@ -230,6 +230,7 @@ def test_answers_prefilled_in_chunks_are_the_same(tiny_model, tiny_tokenizer):
     assert passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6, chunk_size=64)(prompt) == whole
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["yarn", "self_extend"])
 def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_model, tiny_tokenizer, method):
     rope_ext.patch(tiny_model, method, factor=4)

@@ -248,6 +248,7 @@ def test_a_bad_jsonl_line_names_the_file_and_the_line(tmp_path, lines, match):
         data_mod.iter_texts(str(path))
 
 
+@pytest.mark.integration
 def test_cli_writes_results_and_never_overwrites(tiny_path, tmp_path):
     from rope_ext.defaults import gutenberg_documents
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rope_ext.defaults import SMOLLM2
 from rope_ext.evals import lm_eval_model
 from rope_ext.evals.lm_eval_model import main, with_task_tokenizer
 
 
+@pytest.mark.integration
 def test_ruler_builds_its_prompts_with_the_evaluated_models_tokenizer(tiny_path, tiny_tokenizer, tmp_path, monkeypatch):
     """No pretrained in --model_args (the embedded model, the tiny one here) and no tokenizer in
     --metadata: without the tokenizer rope-ext names, lm-eval's RULER task has none to build with."""

@@ -27,6 +27,7 @@ def plain_beyond_window(tiny_path, heldout_ids):
 
 # linear (PI) is left out: without a fine-tune it loses to plain RoPE here (86 vs 70), as it
 # does on SmolLM2; recipes/finetune.py is what makes it work.
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
 def test_scaled_methods_beat_plain_rope_at_4x_the_window(tiny_model, plain_beyond_window, method):
     window, sequences, plain = plain_beyond_window

@@ -86,6 +86,7 @@ def _eval_documents(tokenizer):
     return first_tokens(load_documents(cfg["eval"], "include", tokenizer), cfg["eval"]["max_tokens"])
 
 
+@pytest.mark.integration
 def test_ddp_ranks_end_with_the_same_weights(ddp_run):
     out, log = ddp_run
     assert log["distributed_type"] == "MULTI_CPU" and log["processes"] == 2
@@ -96,6 +97,7 @@ def test_ddp_ranks_end_with_the_same_weights(ddp_run):
     assert lora_b and all(t.abs().max() > 0 for t in lora_b), "LoRA B starts at zero: training must have moved it"
 
 
+@pytest.mark.integration
 def test_finetune_beats_the_training_free_patch(ddp_run, tiny_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -120,6 +122,7 @@ def test_finetune_beats_the_training_free_patch(ddp_run, tiny_path):
     assert log["evals"][-1]["ppl"] == pytest.approx(after[512]["ppl"], rel=1e-4)
 
 
+@pytest.mark.integration
 def test_merged_weights_reload_with_from_pretrained(ddp_run, heldout_ids):
     out, _ = ddp_run
     record = json.loads((out / RECORD_FILE).read_text())
@@ -136,6 +139,7 @@ def _run_args(tiny_path, out: Path, *extra: str) -> list[str]:
     return ["--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out), *extra]
 
 
+@pytest.mark.integration
 def test_resume_reproduces_the_uninterrupted_run(tiny_path, tmp_path):
     """A run stopped after its step-2 checkpoint and resumed ends where the uninterrupted run
     ended: same data order, optimizer, schedule and dropout draws. Also trains with LongLoRA's
@@ -208,6 +212,7 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
         parse_args(["--config", str(config)])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -125,6 +125,7 @@ def _assert_same_run(a: tuple, b: tuple, exact: bool) -> None:
         assert values_a == (values_b if exact else pytest.approx(values_b, rel=1e-6)), field
 
 
+@pytest.mark.integration
 def test_ddp_resume_is_bit_equal_to_the_uninterrupted_run(ddp):
     """Two CPU processes: the resumed run ends with the uninterrupted run's weights, per-step log and
     evals, bit for bit (same batches per rank, optimizer, schedule, and each rank's dropout draws)."""
@@ -134,6 +135,7 @@ def test_ddp_resume_is_bit_equal_to_the_uninterrupted_run(ddp):
     _assert_same_run(ddp["resumed"], ddp["uninterrupted"], exact=True)
 
 
+@pytest.mark.integration
 def test_fsdp2_on_cpu_trains_as_ddp_does(fsdp2, ddp):
     """FSDP2 (accelerate's fsdp2.yaml: one fully_shard unit per decoder layer, sharded state dicts)
     over gloo ends where DDP ends: the same weights, losses and held-out perplexities, to 1e-6 (the
@@ -145,6 +147,7 @@ def test_fsdp2_on_cpu_trains_as_ddp_does(fsdp2, ddp):
     _assert_same_run(fsdp2["uninterrupted"], ddp["uninterrupted"], exact=False)
 
 
+@pytest.mark.integration
 def test_fsdp2_checkpoint_holds_only_the_trained_weights(fsdp2):
     """The FSDP2 checkpoint holds the trained weights (each rank its shards), AdamW's moments of
     them, the schedule and each rank's RNG: no frozen base weight."""
@@ -169,12 +172,14 @@ def test_fsdp2_checkpoint_holds_only_the_trained_weights(fsdp2):
     assert len(moments) == len(weights)
 
 
+@pytest.mark.integration
 def test_fsdp2_resume_is_bit_equal_to_the_uninterrupted_run(fsdp2):
     resumed_log = fsdp2["resumed"][1]
     assert resumed_log["distributed_type"] == "FSDP" and resumed_log["resumed_from_step"] == 2
     _assert_same_run(fsdp2["resumed"], fsdp2["uninterrupted"], exact=True)
 
 
+@pytest.mark.integration
 def test_resume_refuses_another_checkpoint_layout(fsdp2, tiny_path):
     out = fsdp2["out"]
     with pytest.raises(ConfigError, match="checkpointed by a fsdp launch, this one is replicated"):

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "recipes" / "configs" / "finetune_tiny.yaml"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# every test reads a fine-tune trained by a module fixture
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 
 def _train(tiny_path, out: Path, method: str) -> Path:

@@ -38,6 +38,7 @@ def _args(tiny_path, out: Path, *extra: str) -> list[str]:
     return ["--config", str(TINY_CONFIG), "--model", str(tiny_path), "--out", str(out), *SHORT, *extra]
 
 
+@pytest.mark.integration
 def test_checkpoints_hold_the_trained_weights_and_resume_exactly(tiny_path, tmp_path):
     """A checkpoint holds the LoRA weights and the trainable embeddings and norms, the optimizer,
     schedule and RNG, and no frozen base weight; resuming from it ends bit for bit where the
@@ -75,6 +76,7 @@ def test_checkpoints_hold_the_trained_weights_and_resume_exactly(tiny_path, tmp_
     ]
 
 
+@pytest.mark.integration
 def test_per_step_log_trackers_and_loss_curve(tiny_path, tmp_path):
     pytest.importorskip("tensorboard")
     from matplotlib.image import imread
@@ -121,6 +123,7 @@ def test_trackers_are_checked_before_training(tiny_path, tmp_path, monkeypatch):
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_a_bfloat16_base_trains_with_float32_adapters(tiny_path, tmp_path):
     """--dtype bfloat16 on CPU: bf16 autocast over bf16 base weights, the trained weights in float32;
     the training-free perplexity is the float32 one to bf16 precision. In a process of its own:

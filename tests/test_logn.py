@@ -18,6 +18,14 @@ METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"]
 CACHED = ["dynamic", "self_extend", "dca"]
 
 
+def slow_if_causal_dynamic(method: str, params: dict | None = None):
+    """A pytest param; dynamic and dynamic_yarn under their causal schedule (a scaling per token past
+    the window, each attended apart) take seconds per long forward: marked integration."""
+    values = (method,) if params is None else (method, params)
+    slow = method in ("dynamic", "dynamic_yarn") and (params or {}).get("causal", True)
+    return pytest.param(*values, marks=[pytest.mark.integration] if slow else [])
+
+
 def fp32_factors(length: int) -> torch.Tensor:
     """[length] log-n factors in fp32, written from the formula: for the 1-based position i,
     log(i) / log(L) when i > L, else 1."""
@@ -65,7 +73,7 @@ def test_inside_the_window_logn_changes_no_bit(tiny_model, heldout_ids, method):
 # 2. past the window: the scale written out, applied before the rotation
 
 
-@pytest.mark.parametrize("method, params", [(m, {}) for m in METHODS] + [("dynamic", {"causal": False})])
+@pytest.mark.parametrize("method, params", [slow_if_causal_dynamic(m, {}) for m in METHODS] + [("dynamic", {"causal": False})])
 def test_past_the_window_it_is_the_query_projection_scaled(tiny_model, heldout_ids, method, params):
     """At 4x the window: logn=True against the same patch with logn=False and q_proj's output
     scaled by the factors. With the formula in fp32 the two agree within 1e-5 (measured: equal);
@@ -83,7 +91,7 @@ def test_past_the_window_it_is_the_query_projection_scaled(tiny_model, heldout_i
     assert (ours[:, TRAINED:] - without[:, TRAINED:]).abs().max() > 0.1  # the scale acts past the window
 
 
-@pytest.mark.parametrize("method", ["dynamic", "self_extend", "rerope"])
+@pytest.mark.parametrize("method", [slow_if_causal_dynamic(m) for m in ["dynamic", "self_extend", "rerope"]])
 def test_a_left_padded_row_is_scaled_by_its_positions(tiny_model, heldout_ids, method):
     """A row with `pad` padding tokens on the left, positions from 0 at its first real token (as
     generate gives them): its logits are those of the same tokens alone, so the scale follows the
@@ -106,6 +114,7 @@ def test_a_left_padded_row_is_scaled_by_its_positions(tiny_model, heldout_ids, m
 # logn: their rows in test_attention_methods.py)
 
 
+@pytest.mark.integration
 def test_chunked_prefill_and_decoding_equal_one_forward(tiny_model, heldout_ids):
     ids = heldout_ids[None, : 3 * TRAINED]
     rope_ext.patch(tiny_model, "dynamic", factor=4, logn=True)
@@ -168,6 +177,7 @@ def test_dynamic_with_logn_has_no_native_form(tiny_model):
 # 7. perplexity past the window (reported; `pytest -s` prints it)
 
 
+@pytest.mark.integration
 def test_perplexity_past_the_window_with_and_without_logn(tiny_path, heldout_ids):
     passages = torch.stack([heldout_ids[s : s + 513] for s in range(0, 16 * 513, 513)])
     plain = ppl_past_window(tiny_path, passages, "plain")

@@ -106,6 +106,7 @@ def study(tmp_path_factory):
     return out, json.loads((out / "pe_study.json").read_text()), (out / "pe_study.md").read_text()
 
 
+@pytest.mark.integration
 def test_study_table(study):
     out, results, markdown = study
     window, lengths, rows = results["window"], results["lengths"], results["rows"]
@@ -130,6 +131,7 @@ def test_study_table(study):
     assert (out / "pe_study.png").stat().st_size > 10_000
 
 
+@pytest.mark.integration
 def test_alibi_extrapolates_better_than_sinusoidal(study):
     _, results, _ = study
     four_w = str(4 * results["window"])

@@ -91,6 +91,7 @@ def _run(tiny_path, out: Path, *extra: str) -> dict:
     )
 
 
+@pytest.mark.integration
 def test_pose_reaches_the_patched_rotary_as_one_attended_sequence(tiny_path, tiny_model, tmp_path, monkeypatch):
     record = Recorder(monkeypatch)
     log = _run(tiny_path, tmp_path / "run", "--pose", "--max-steps", "3", "--save-every", "0", "--batch-size", "2")
@@ -114,6 +115,7 @@ def test_pose_reaches_the_patched_rotary_as_one_attended_sequence(tiny_path, tin
     assert (last - last_changed).abs().max() > 1e-4
 
 
+@pytest.mark.integration
 def test_without_pose_the_positions_and_mask_are_unchanged(tiny_path, tmp_path, monkeypatch):
     record = Recorder(monkeypatch)
     _run(tiny_path, tmp_path / "run", "--max-steps", "2", "--save-every", "0", "--seq-len", "256")
@@ -121,6 +123,7 @@ def test_without_pose_the_positions_and_mask_are_unchanged(tiny_path, tmp_path, 
     assert all(call["attention_mask"] is None for call in record.decoder)
 
 
+@pytest.mark.integration
 def test_resumed_pose_run_draws_the_positions_of_the_uninterrupted_one(tiny_path, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
@@ -161,6 +164,7 @@ def test_pose_refusals_come_before_training(tiny_path, tmp_path, extra, message)
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_static_methods_train_under_pose(tiny_path, tmp_path):
     for method in ("linear", "ntk", "llama3"):
         log = _run(tiny_path, tmp_path / method, "--pose", "--method", method, "--max-steps", "2", "--save-every", "0")

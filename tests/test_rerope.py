@@ -87,14 +87,20 @@ class Compare(AttentionTransform):
 # past the window: the explicit distances
 
 
+def slow(*values):
+    return pytest.param(*values, marks=pytest.mark.integration)
+
+
+# float64 scores written out per frequency take seconds a case: the inner loop (-m "not integration")
+# runs Leaky ReRoPE at a fractional leak on eager, the full suite every case
 @pytest.mark.parametrize(
     "leak, window, causal, attn",
     [
-        (None, 32, True, "sdpa"),
+        slow(None, 32, True, "sdpa"),
         (4.5, 24, True, "eager"),
-        (6, 32, True, "sdpa"),
-        (None, 20, False, "eager"),
-        (3, 40, False, "sdpa"),
+        slow(6, 32, True, "sdpa"),
+        slow(None, 20, False, "eager"),
+        slow(3, 40, False, "sdpa"),
     ],
 )
 def test_past_the_window_it_is_the_explicit_distance_matrix(tiny_model, heldout_ids, leak, window, causal, attn):

@@ -86,12 +86,14 @@ def test_model_is_trained_far_beyond_unigram(tiny_model, heldout_ids, window):
     assert model_ppl < unigram_ppl / 4, (model_ppl, unigram_ppl)
 
 
+@pytest.mark.integration
 def test_plain_rope_degrades_past_the_window(beyond_window_ppl):
     """The failure the scaling methods exist to fix: more context, yet a worse score."""
     # Measured: 1.77x (a shorter-trained earlier config: 1.57x).
     assert beyond_window_ppl["plain"] > 1.3 * beyond_window_ppl["in_window"], beyond_window_ppl
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("method", ["ntk", "dynamic", "yarn"])
 def test_scaling_beats_plain_rope_at_4x(beyond_window_ppl, method):
     # Measured over two training seeds: 0.65-0.78 of plain (ntk is the closest).

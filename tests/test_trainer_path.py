@@ -10,6 +10,8 @@ import torch
 
 import rope_ext
 
+pytestmark = pytest.mark.integration  # each test trains
+
 
 @pytest.mark.parametrize("method", ["yarn", "self_extend"])
 def test_trainer_trains_a_lora_on_a_patched_model(tiny_model, tiny_path, heldout_ids, tmp_path, method):
