@@ -147,7 +147,7 @@ def assert_refused_unchanged(method: str, kwargs: dict, message: str, model=None
     import pytest
 
     model = random_model() if model is None else model
-    x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0))
+    x = random_ids(2 * WINDOW)
     with torch.no_grad():
         before = model(x).logits
     with pytest.raises(ValueError, match=message):
@@ -173,7 +173,7 @@ def assert_refuses_padded_batches(method: str) -> None:
 
     model = random_model()
     rope_ext.patch(model, method, factor=4)
-    x = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(0)).expand(2, -1)
+    x = random_ids(2 * WINDOW).expand(2, -1)
     mask = torch.ones_like(x)
     mask[1, :5] = 0
     with pytest.raises(ValueError, match="unpadded"), torch.no_grad():

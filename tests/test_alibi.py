@@ -22,7 +22,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import rope_ext
 from rope_ext.method import alibi_hybrid as alibi
 
-from helpers import WINDOW, random_model
+from helpers import WINDOW, random_ids, random_model
 
 W = 16  # a bias-free distance well inside the random models' 64-token window
 
@@ -199,7 +199,7 @@ def decode_gap(model, ids, prefill: int) -> float:
 def test_cache_decoding_equals_full_forward(attn, rope):
     model = random_model(attn=attn)
     rope_ext.patch(model, "alibi_hybrid", factor=4, rope=rope, w=W)
-    ids = torch.randint(0, 97, (1, 2 * WINDOW + 16), generator=torch.Generator().manual_seed(3))
+    ids = random_ids(2 * WINDOW + 16, seed=3)
     assert decode_gap(model, ids, prefill=WINDOW - 10) <= 1e-5
 
 
@@ -233,7 +233,7 @@ def glm_model():
 
 def test_native_glm():
     model = glm_model()
-    ids = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(4))
+    ids = random_ids(2 * WINDOW, seed=4)
     with torch.no_grad():
         before = model(ids).logits
     rope_ext.patch(model, "alibi_hybrid", factor=4, rope=None, w=W)
@@ -250,7 +250,7 @@ def test_native_glm():
 def test_inside_w_the_model_is_unchanged_and_unpatch_restores_exactly():
     model = random_model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = torch.randint(0, 97, (1, 2 * WINDOW), generator=torch.Generator().manual_seed(5))
+    ids = random_ids(2 * WINDOW, seed=5)
     with torch.no_grad():
         before = model(ids).logits
     info = rope_ext.patch(model, "alibi_hybrid", factor=2, rope=None, trainable=True)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 import rope_ext
 
-from helpers import DYNAMIC_METHODS, WINDOW, greedy, native_twin, random_model
+from helpers import DYNAMIC_METHODS, WINDOW, greedy, native_twin, random_ids, random_model
 
 
 @torch.no_grad()
@@ -51,7 +51,7 @@ def test_transformers_native_dynamic_fails_the_same_check(tiny_model, heldout_id
 def test_decode_equals_full_forward_on_other_families(family):
     model = random_model(family)
     rope_ext.patch(model, "dynamic", factor=4, granularity=4)
-    ids = torch.randint(0, 97, (1, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
+    ids = random_ids(3 * WINDOW)
     assert worst_decode_gap(model, ids, prefill=WINDOW // 2, check_every=13) <= 1e-5
 
 

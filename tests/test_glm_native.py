@@ -14,6 +14,8 @@ import rope_ext
 from rope_ext.patches.glm import position_geometry
 from rope_ext.method.rope import ntk_base
 
+from helpers import random_ids
+
 WINDOW = 32
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # method -> (rope_ext params, native rope_parameters, native max_position_embeddings)
@@ -64,10 +66,6 @@ def glm(model_type="glm", rope=None, max_positions=WINDOW, state=None):
     return model
 
 
-def ids(length, seed=1):
-    return torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def logits(model, x):
     return model(x).logits
@@ -82,16 +80,17 @@ def test_patch_matches_native_transformers_bit_for_bit(model_type, method):
     info = rope_ext.patch(model, method, factor=4, **params)
     assert (info.rotary_dim, info.head_dim, info.layout, info.max_length) == (8, 16, "interleaved", 4 * WINDOW)
     for length in (WINDOW // 2, 3 * WINDOW + 5):
-        x = ids(length)
+        x = random_ids(length, seed=1)
         assert torch.equal(logits(model, x), logits(native, x)), (method, length)
-    assert not torch.equal(logits(model, ids(3 * WINDOW)), logits(glm(model_type), ids(3 * WINDOW)))
+    x = random_ids(3 * WINDOW, seed=1)
+    assert not torch.equal(logits(model, x), logits(glm(model_type), x))
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
 def test_dynamic_decode_equals_full_forward_past_the_window(method):
     model = glm()
     rope_ext.patch(model, method, factor=4)
-    x = ids(2 * WINDOW + 8)
+    x = random_ids(2 * WINDOW + 8, seed=1)
     full = logits(model, x)
     with torch.no_grad():
         out = model(x[:, : WINDOW - 4], use_cache=True)
@@ -105,7 +104,7 @@ def test_dynamic_decode_equals_full_forward_past_the_window(method):
 @pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
 def test_unpatch_restores_the_model_exactly(method):
     model = glm("glm4")
-    x = ids(3 * WINDOW)
+    x = random_ids(3 * WINDOW, seed=1)
     before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
     rope_ext.patch(model, method, factor=4)
     assert not torch.equal(logits(model, x), before)
@@ -123,7 +122,7 @@ def test_linear_scaled_checkpoint_is_patched_on_top_of_its_scaling(tmp_path):
     state = model.state_dict()
     info = rope_ext.patch(model, "linear", factor=2)
     assert (info.original_window, info.max_length, info.base) == (WINDOW, 2 * WINDOW, 10000.0)
-    x = ids(3 * WINDOW)
+    x = random_ids(3 * WINDOW, seed=1)
     assert torch.equal(logits(model, x), logits(glm(rope={"rope_type": "linear", "factor": 8.0}, state=state), x))
     rope_ext.patch(model, "ntk", factor=2)
     ntk = glm(rope={**PI, "rope_theta": 10000.0 * 2 ** (8 / 6)}, state=state)

@@ -17,7 +17,7 @@ from rope_ext.attention import AttentionTransform
 from rope_ext.evals import loading
 from rope_ext.method import attention_side, self_extend
 
-from helpers import WINDOW, assert_refused_unchanged, left_padded, random_model, rotate, set_chain
+from helpers import WINDOW, assert_refused_unchanged, left_padded, random_ids, random_model, rotate, set_chain
 
 
 class NaiveSelfExtend(AttentionTransform):
@@ -51,7 +51,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
     model = random_model("llama", attn=attn)
     rope_ext.patch(model, "self_extend", group=group, window=window)
     rotary = model.model.rotary_emb
-    ids = torch.randint(0, 97, (1, length), generator=torch.Generator().manual_seed(1))
+    ids = random_ids(length, seed=1)
     batch, padding, positions = left_padded(ids, pad)
     with torch.no_grad():
         set_chain(model, [NaiveSelfExtend(rotary, group, window)])
