@@ -17,7 +17,7 @@ keeps dividing positions, and the methods see the window in those position units
 Dynamic methods: the model applies the table itself and caches rotated keys, so the patched module
 hands it an identity table (keys enter the cache un-rotated) and every layer's `core_attention`
 forward is wrapped to rotate queries and keys with the frequencies of the current length, as
-rope-ext does through transformers' attention interface for native models (attention.py). The
+rope-ext does through transformers' attention interface for native models (rope_ext.attention). The
 wrapper needs the layout of the tensors, read once from the embedding's output (sequence-first in
 ChatGLM2/3, batch-first in GLM-4), and a core attention that takes a boolean mask (eager or sdpa):
 flash-attention cores take a padding mask that cannot express a query group's causal slice.
