@@ -1,13 +1,14 @@
-"""Attention-side methods: what self_extend, rerope, dca and sink_window share, declared once.
+"""Attention-side methods: what self_extend, rerope, string, dca and sink_window share, declared once.
 
-An `AttentionMethod` keeps the trained frequencies and changes the positions at which queries and
-keys meet inside attention. The KV cache keeps keys before rotation (rotation="attention",
-rope_ext.rotary), so one forward, chunked prefill and token-by-token decoding give the same
-numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
+An `AttentionMethod` changes the positions at which queries and keys meet inside attention, with
+the trained frequencies unless it declares its own `fn` (string, past the window). The KV cache
+keeps keys before rotation (rotation="attention", rope_ext.rotary), so one forward, chunked
+prefill and token-by-token decoding give the same numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
 config keeps its trained window. The base owns:
 
-- the validate template: unknown names, the sizes the method declares (`sizes`), the causal switch
-  (`switches`), `logn` (`takes_logn`), the factor; then the method's own rules (`check`);
+- the validate template: unknown names, the sizes the method declares (`sizes`), every flag
+  (`causal` where `switches`, `logn` where `takes_logn`, a method's own), the factor; then the
+  method's own rules (`check`);
 - the resolve template: the attention backend (`backends`) is checked before the method derives
   its parameters from the model (`derive`);
 - the transform installed in attention (`transform`, a RotateInAttention).
@@ -43,7 +44,8 @@ def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params)
 
 @dataclass(frozen=True)
 class AttentionMethod(Method):
-    """A method that attends at other positions with the trained frequencies. A subclass sets
+    """A method that attends at other positions (with the trained frequencies unless it gives its
+    own `fn`). A subclass sets
     `transform` (its RotateInAttention) and may declare `sizes` ({parameter: smallest value}: an
     int, or also None where that is its default), and overrides `check` and `derive` for its own
     rules."""
@@ -73,8 +75,8 @@ class AttentionMethod(Method):
                 merged[key] = as_size(
                     merged[key], f"{self.name}: {key}" + (" (or None for the default)" if optional else ""), minimum
                 )
-        for flag in ("causal", "logn"):
-            if flag in merged and not isinstance(merged[flag], bool):
+        for flag in (key for key, default in self.all_params.items() if isinstance(default, bool)):
+            if not isinstance(merged[flag], bool):
                 raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
         merged = self.check(factor, merged)
         if factor is not None:
@@ -136,7 +138,7 @@ class TwoPartAttention(RotateInAttention):
         trained = rotary.geometry.original_window
         method, params = rotary.method, rotary.params
         window = method.near_window(params)
-        inv_freq, scale = frame.angles(trained)  # the trained frequencies
+        inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
         extended = method.switched(frame, trained, params)  # [B, Sq]: queries that attend in two parts
         # One query row (a decode step) attends all its keys in one backend call, each key rotated
         # by its distance to the query. Several rows would need a rotated copy of every key per

@@ -68,11 +68,6 @@ class StringMethod(TwoPartMethod):
 
     sizes: ClassVar[dict] = {"shift": 1, "local": 0}
 
-    def check(self, factor, params: dict) -> dict:
-        if not isinstance(params["temperature"], bool):
-            raise ValueError(f"{NAME}: temperature must be True or False, got {params['temperature']!r}")
-        return params
-
     def accept_factor(self, factor) -> float:
         return 1.0 if factor == 1 and not isinstance(factor, bool) else check_factor(factor)
 
