@@ -61,14 +61,18 @@ def smollm2_gguf() -> Path:
     return path
 
 
+def smollm2_key() -> str:
+    with smollm2_gguf().open("rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()[:10]
+
+
 def smollm2_path() -> Path:
     """A safetensors copy of SmolLM2, dequantized from the GGUF once (~40 s) and cached.
 
-    The cache key includes the GGUF's size and mtime so a reinstalled package is converted again."""
+    The cache key is a hash of the GGUF's bytes (~0.2 s), so the same file gives the same model
+    name on every machine (results and `--resume` compare it) and a changed file is converted again."""
     gguf = smollm2_gguf()
-    stat = gguf.stat()
-    key = hashlib.sha1(f"{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:10]
-    out = cache_dir() / f"smollm2-135m-{key}"
+    out = cache_dir() / f"smollm2-135m-{smollm2_key()}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer

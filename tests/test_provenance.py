@@ -4,6 +4,7 @@ the checkpoint, whose config hash does not depend on what was patched in memory.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -123,3 +124,22 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_has_it(monkeypatch, avx512_bf16, 
     assert loading.resolve_dtype("auto", "cpu") == expected
     assert loading.resolve_dtype("float32", "cpu") == "float32"  # an explicit dtype wins
     assert loading.resolve_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_the_embedded_model_is_named_by_its_bytes_not_its_install_time(tmp_path, monkeypatch):
+    # Results and --resume compare the model's name: a reinstall of the same GGUF (a new mtime)
+    # on another machine must give the same name, or a stopped run cannot be continued there.
+    from rope_ext import defaults
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    monkeypatch.setattr(defaults, "smollm2_gguf", lambda: gguf)
+    monkeypatch.setattr(defaults, "cache_dir", lambda: tmp_path)
+    converted = []
+    for mtime in (1_000_000, 2_000_000):
+        os.utime(gguf, (mtime, mtime))
+        folder = tmp_path / f"smollm2-135m-{defaults.smollm2_key()}"
+        converted.append(folder.name)
+    assert converted[0] == converted[1]
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 65)
+    assert f"smollm2-135m-{defaults.smollm2_key()}" != converted[0]
