@@ -16,7 +16,7 @@ from torch import nn
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
-from rope_ext.record import Patch
+from rope_ext.record import Patch, config_values, restore, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
@@ -69,14 +69,7 @@ class LlamaFamily(FamilyAdapter):
                 record["original_window"] = original_window
             return record, False
         config = site.config
-        record = (
-            saved.original_values("rope_parameters", "max_position_embeddings")
-            if saved
-            else {
-                "rope_parameters": copy.deepcopy(config.rope_parameters),
-                "max_position_embeddings": config.max_position_embeddings,
-            }
-        )
+        record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else config_values(config)
         rope = record["rope_parameters"]
         rope_type = rope.get("rope_type", "default")
         if original_window is not None:
@@ -156,22 +149,16 @@ class LlamaFamily(FamilyAdapter):
         chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
             self._attach_attention(site, chain, rotary.method.name)
-        config = site.config
         native = self.native(rotary)
-        config.rope_parameters = native if native is not None else copy.deepcopy(rotary.original["rope_parameters"])
-        # Without a native form a plain reload is the unpatched model: the config must not claim
-        # more than its trained window. Set either way, so a repatch writes what a first patch does.
-        extended = native is not None and not rotary.method.keeps_config_window
-        config.max_position_embeddings = max_length if extended else rotary.original["max_position_embeddings"]
+        # Written either way, so that a repatch writes what a first patch does.
+        write_native(site.config, native, rotary.original, max_length)
         return native
 
     def uninstall(self, site: RotarySite) -> None:
         rotary = self.installed(site)
         self._detach(site)
-        config = site.config
-        config.rope_parameters = copy.deepcopy(rotary.original["rope_parameters"])
-        config.max_position_embeddings = rotary.original["max_position_embeddings"]
-        restored = rotary.original_cls(config).to(rotary.inv_freq.device)
+        restore(site.config, rotary.original)
+        restored = rotary.original_cls(site.config).to(rotary.inv_freq.device)
         site.decoder.rotary_emb = restored
         site.rotary = restored
 

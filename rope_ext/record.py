@@ -10,6 +10,14 @@ them back:
 - `rope_ext_finetune.json` in a LoRA fine-tune folder: the base checkpoint the adapter belongs
   to and the patch it was trained under.
 
+It also writes the patch in the config's own terms, for what loads a checkpoint without
+rope-ext (transformers, vLLM, SGLang; docs/serving.md): `write_native` updates the model's
+`rope_parameters` with a method's native form (the scaling keys replaced, every other key kept,
+a nested per-layer-type dict written in one layer type's entry), adds the names serving engines
+read where transformers' differ, sets `max_position_embeddings` so that no engine accepts more
+positions than the patch is meant for, and writes `head_dim` where transformers needs it to build
+the scaled frequencies; `config_values` are the values it may change, which `restore` puts back.
+
 Both are versioned. A record that is missing a key, has a value of the wrong type, names an
 unknown method or another version is refused with one ValueError that names the file and the key.
 """
@@ -24,11 +32,44 @@ from pathlib import Path
 
 from .geometry import RotaryGeometry
 from .method import REGISTRY
+from .method.rope import yarn_mscale
 
 CONFIG_KEY = "rope_ext"
 CONFIG_VERSION = 1
 FINETUNE_FILE = "rope_ext_finetune.json"
 FINETUNE_VERSION = 1
+
+# rope_parameters keys that state a RoPE scaling, as transformers' rope types and the serving
+# engines read them. A native form replaces them; every other key (partial_rotary_factor,
+# original_max_position_embeddings, keys a model reads itself, such as ministral3's
+# llama_4_scaling_beta or phimoe's long_mscale, keys no one knows) is the model's and stays.
+SCALING_KEYS = frozenset(
+    {
+        "rope_type",
+        "type",
+        "factor",
+        "attention_factor",
+        "attn_factor",
+        "extrapolation_factor",
+        "apply_yarn_scaling",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+        "low_freq_factor",
+        "high_freq_factor",
+        "short_factor",
+        "long_factor",
+        "alpha",
+        "mixed_b",
+        "max_trained_positions",
+    }
+)
+
+# rope types whose `factor` vLLM and SGLang multiply max_position_embeddings by to get the longest
+# sequence they accept (docs/serving.md); for the others they take max_position_embeddings as it is.
+WINDOW_TIMES_FACTOR = ("linear", "dynamic")
 
 
 @dataclass(frozen=True)
@@ -75,6 +116,83 @@ class Patch:
             "geometry": self.geometry.to_dict(),
             "max_length": self.max_length,
         }
+
+
+def config_values(config) -> dict:
+    """The config values `write_native` may change, as they are: what `restore` puts back.
+    `head_dim` is among them where the config states it as None (Mixtral), since a native form
+    then writes it."""
+    values = {
+        "rope_parameters": copy.deepcopy(config.rope_parameters),
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+    if hasattr(config, "head_dim") and config.head_dim is None:
+        values["head_dim"] = None
+    return values
+
+
+def rope_parameters(original: dict, native: dict, layer_type: str | None = None) -> dict:
+    """`original` (a model's rope_parameters) with its scaling replaced by `native`, in the entry
+    of `layer_type` when the parameters are nested by layer type (gemma3's full_attention and
+    sliding_attention), the other entries as they are; `original` itself is left unchanged."""
+    rope = copy.deepcopy(original)
+    nested = bool(rope) and all(isinstance(value, dict) for value in rope.values())
+    if nested != (layer_type is not None):
+        raise ValueError(
+            f"rope_parameters {'are' if nested else 'are not'} nested per layer type ({sorted(rope)}); "
+            f"got layer_type={layer_type!r}"
+        )
+    if nested and layer_type not in rope:
+        raise ValueError(f"rope_parameters have no entry for layer type {layer_type!r}: {sorted(rope)}")
+    target = rope[layer_type] if nested else rope
+    for key in SCALING_KEYS - native.keys():
+        target.pop(key, None)
+    target.update(copy.deepcopy(native))
+    return rope
+
+
+def served_parameters(native: dict) -> dict:
+    """`native` with the names the serving engines read where transformers' differ: for a yarn
+    temperature, transformers and vLLM >= 0.30 read `attention_factor`, SGLang and vLLM <= 0.29
+    multiply 0.1 ln(s) + 1 by `attn_factor` (transformers logs that key as unrecognized and
+    ignores it)."""
+    if native.get("rope_type") != "yarn" or native.get("attention_factor") is None:
+        return dict(native)
+    return {**native, "attn_factor": native["attention_factor"] / yarn_mscale(native["factor"])}
+
+
+def served_window(rope: dict, max_length: int) -> int:
+    """The max_position_embeddings under `rope` (flat) for a patch meant for `max_length`
+    positions: the length itself, or for the rope types whose factor engines multiply it by (and
+    whose window transformers' `dynamic` reads there), the largest window that factor does not
+    take past it."""
+    if rope.get("rope_type") in WINDOW_TIMES_FACTOR:
+        return math.floor(max_length / rope["factor"])
+    return max_length
+
+
+def write_native(config, native: dict | None, original: dict, max_length: int, layer_type: str | None = None) -> None:
+    """Write the patch in the config's own terms: `native` (a method's transformers
+    rope_parameters, None where it has none) over the model's `original` values
+    (`config_values`), for a patch meant for `max_length` positions. Without a native form the
+    config is the model's own: a plain load is the unpatched model, claiming no more than its
+    window."""
+    if native is None:
+        restore(config, original)
+        return
+    served = served_parameters(native)
+    config.rope_parameters = rope_parameters(original["rope_parameters"], served, layer_type)
+    config.max_position_embeddings = served_window(served, max_length)
+    if "head_dim" in original:
+        # transformers' dynamic and yarn frequencies read config.head_dim without falling back
+        config.head_dim = config.hidden_size // config.num_attention_heads
+
+
+def restore(config, original: dict) -> None:
+    """Put back the config values `config_values` read (a patch's `original`)."""
+    for key, value in original.items():
+        if key != "original_window":
+            setattr(config, key, copy.deepcopy(value))
 
 
 def config_source(config) -> str:

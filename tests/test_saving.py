@@ -5,16 +5,17 @@ rope_ext.from_pretrained restores every patch exactly, and refuses a corrupted r
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 
 import pytest
 import torch
+from helpers import WINDOW, logits, random_ids, random_model
 from transformers import AutoModelForCausalLM
 
 import rope_ext
-
-from helpers import WINDOW, logits, random_ids, random_model
+from rope_ext import record
 
 
 @pytest.mark.parametrize("method", ["linear", "ntk", "yarn", "ntk_by_parts", "llama3"])
@@ -25,7 +26,10 @@ def test_save_and_plain_reload_reproduce_static_methods(tmp_path, method):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
     x = random_ids(3 * WINDOW, seed=1)
     assert torch.equal(logits(reloaded, x), logits(model, x))
-    assert reloaded.config.max_position_embeddings == info.max_length
+    # the length serving engines accept: max_position_embeddings, times the factor under `linear`
+    # (tests/test_serving.py restates their rules)
+    times = info.native["factor"] if info.native["rope_type"] == "linear" else 1
+    assert reloaded.config.max_position_embeddings * times == info.max_length
 
 
 @pytest.mark.parametrize(
@@ -156,3 +160,115 @@ def test_the_record_is_read_once_and_handed_to_the_family(tmp_path, monkeypatch,
     monkeypatch.setattr(record, "read", lambda *args: reads.append(args) or read(*args))
     load(folder)
     assert len(reads) == 1
+
+
+# What rope-ext writes to config.json stays the model's config: rope_parameters updated, not
+# replaced; nested per-layer-type parameters keep their shape; head_dim written where transformers
+# needs it to reload (issue #29 item 2, issue #26 item 2).
+
+MODEL_KEYS = {"llama_4_scaling_beta": 0.1, "long_mscale": 1.25, "a_key_no_one_knows": "kept"}
+
+
+@pytest.mark.parametrize("method", ["linear", "ntk", "yarn", "llama3", "self_extend"])
+def test_keys_the_model_reads_survive_patch_save_reload_and_unpatch(tmp_path, method):
+    model = random_model(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **MODEL_KEYS})
+    original = copy.deepcopy(model.config.rope_parameters)
+    rope_ext.patch(model, method, factor=4)
+    assert model.config.rope_parameters.items() >= MODEL_KEYS.items()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self_extend's: transformers alone loads the unpatched model
+        model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"].items() >= MODEL_KEYS.items()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path)
+    for loaded in (plain, reloaded):
+        assert loaded.config.rope_parameters.items() >= MODEL_KEYS.items()
+    for patched in (model, reloaded):
+        rope_ext.unpatch(patched)
+        assert patched.config.rope_parameters == original
+
+
+def test_a_native_form_replaces_the_scaling_and_keeps_the_rest():
+    original = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "mscale": 0.7,
+        "mscale_all_dim": 0.7,
+        "beta_fast": 16,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        **MODEL_KEYS,
+    }
+    kept = copy.deepcopy(original)
+    native = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert record.rope_parameters(original, native) == {
+        **native,
+        "original_max_position_embeddings": 1024,
+        "partial_rotary_factor": 0.5,
+        **MODEL_KEYS,
+    }
+    assert original == kept
+
+
+NESTED = {
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+def test_nested_rope_parameters_keep_their_shape_through_write_save_and_restore(tmp_path):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=97,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=copy.deepcopy(NESTED),
+    )
+    original = record.config_values(config)
+    native = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}
+    record.write_native(config, native, original, 256, layer_type="full_attention")
+    assert config.rope_parameters == {"full_attention": native, "sliding_attention": NESTED["sliding_attention"]}
+    config.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).rope_parameters == config.rope_parameters
+    with pytest.raises(ValueError, match="per layer type"):
+        record.rope_parameters(NESTED, native)
+    record.restore(config, original)
+    assert config.rope_parameters == NESTED
+
+
+def perturbed_norms(model):
+    """Norm weights away from 1, so that a wrong head size or layout cannot hide behind them."""
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.mul_(torch.rand(weight.shape, generator=torch.Generator().manual_seed(3)) + 0.5)
+    return model
+
+
+@pytest.mark.parametrize("method,params", [("yarn", {}), ("ntk_by_parts", {}), ("dynamic", {"causal": False})])
+def test_a_mixtral_config_without_head_dim_saves_reloads_and_unpatches_exactly(tmp_path, method, params):
+    model = perturbed_norms(random_model("mixtral", head_dim=None))
+    x = random_ids(3 * WINDOW, seed=1)
+    plain = logits(model, x)
+    written = ("rope_parameters", "max_position_embeddings", "head_dim")
+    config = {key: copy.deepcopy(getattr(model.config, key)) for key in written}
+    assert config["head_dim"] is None  # as Mixtral-8x7B ships
+    rope_ext.patch(model, method, factor=4, **params)
+    patched = logits(model, x)
+    model.save_pretrained(tmp_path)
+    native = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert torch.equal(logits(native, x), patched)
+    reloaded = rope_ext.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert torch.equal(logits(reloaded, x), patched)
+    for unpatched in (model, reloaded):
+        rope_ext.unpatch(unpatched)
+        assert torch.equal(logits(unpatched, x), plain)
+        assert {key: getattr(unpatched.config, key) for key in written} == config

@@ -20,8 +20,6 @@ What a method may add is declared on it, never special-cased by the orchestratio
 - `kv_cache(config, params)`: the KV cache that chunked prefill, perplexity and generation fill
   (rope_ext.chunked), for a method that can let keys go (sink_window); None: transformers'
   DynamicCache;
-- `keeps_config_window`: the config's max_position_embeddings stays the trained window even
-  where `native` reloads the patch (a method without a native form always keeps it);
 - `takes_logn`: the method has the `logn` parameter (LOGN_PARAMS), for a method whose attention
   rotates each query itself at its own position (rope_ext.attention.RotateInAttention).
 
@@ -96,7 +94,6 @@ class Method:
     params: dict = field(default_factory=dict)
     rotation: str = "static"  # ROTATIONS: where queries and keys are rotated
     follows_length: bool = False  # the frequencies depend on the length a query has seen
-    keeps_config_window: bool = False
     factor_required: bool = True
     takes_logn: bool = False
 

@@ -223,11 +223,10 @@ METHODS = [
         rotation="attention",
         follows_length=True,
         takes_logn=True,
-        # transformers' `dynamic` reads max_position_embeddings as the original window, so the
-        # config keeps it. It is this method with causal=False and logn=False only: transformers
-        # has no per-token schedule and no log-n scale, so the others have no native form
-        # (rope_ext.from_pretrained).
-        keeps_config_window=True,
+        # transformers' `dynamic` is this method with causal=False and logn=False only: it has no
+        # per-token schedule and no log-n scale, so the others have no native form
+        # (rope_ext.from_pretrained). It reads max_position_embeddings as the trained window,
+        # which rope_ext.record.served_window writes for it.
         native_fn=lambda g, factor, params, rope: (
             None if params["causal"] or params["logn"] else {"rope_type": "dynamic", "factor": factor, **_base(g, rope)}
         ),
@@ -249,7 +248,6 @@ METHODS = [
         params=dict(_YARN_PARAMS),
         rotation="attention",
         follows_length=True,
-        keeps_config_window=True,
         takes_logn=True,
     ),
     RopeMethod(
