@@ -1,8 +1,8 @@
 """docs/serving.md: what a saved checkpoint's config.json means to the engines that serve it.
 
 The serving engines' reading rules are restated below as small pure functions, one per engine
-version read, from the released wheels' source: vLLM 0.34.0 (the same as 0.30.0-0.33.0 for these
-rules), vLLM 0.29.0 (the same as 0.27.0-0.28.0) and SGLang 0.5.23. For every method the table
+version read, from the released wheels' source: vLLM 0.34.0 (the same in 0.30.0 and 0.33.0 for these
+rules), vLLM 0.29.0 (the same in 0.27.0 and 0.28.0) and SGLang 0.5.23. For every method the table
 lists, a patch is saved as config.json and each engine's frequencies, attention factor, accepted
 length and table size are compared with rope-ext's own: the table's cell is "yes" exactly when
 they agree at both ends of the extension. No written config lets an engine accept more positions
@@ -106,7 +106,7 @@ def read(config: dict) -> tuple[dict, str, float, int, int]:
 
 
 def vllm_0_34(config: dict) -> Served:
-    """vLLM 0.34.0 (the same in 0.30.0-0.33.0): `get_rope` (model_executor/layers/rotary_embedding/
+    """vLLM 0.34.0 (the same in 0.30.0 and 0.33.0): `get_rope` (model_executor/layers/rotary_embedding/
     __init__.py) and its classes, and config/model.py `_get_and_verify_max_len`. The accepted
     length is max_position_embeddings, times `factor` for every rope type but llama3, yarn and
     longrope. yarn takes transformers' `attention_factor`, else the mscale ratio, else 0.1 ln s + 1.
@@ -135,7 +135,7 @@ def vllm_0_34(config: dict) -> Served:
 
 
 def vllm_0_29(config: dict) -> Served:
-    """vLLM 0.29.0 (the same in 0.27.0-0.28.0): as 0.34.0 but for yarn, which reads `attn_factor`,
+    """vLLM 0.29.0 (the same in 0.27.0 and 0.28.0): as 0.34.0 but for yarn, which reads `attn_factor`,
     `extrapolation_factor` and `apply_yarn_scaling` (not transformers' `attention_factor`: the
     temperature is (0.1 ln s + 1) * attn_factor), and whose accepted length is
     original_max_position_embeddings * factor."""
@@ -180,7 +180,7 @@ def sglang_0_5(config: dict) -> Served:
     return Served(inv, 1.0, length, positions)
 
 
-ENGINES = {"vLLM ≥ 0.30": vllm_0_34, "vLLM ≤ 0.29": vllm_0_29, "SGLang 0.5.23": sglang_0_5}
+ENGINES = {"vLLM 0.30-0.34": vllm_0_34, "vLLM 0.27-0.29": vllm_0_29, "SGLang 0.5.23": sglang_0_5}
 COLUMNS = ("transformers 5", *ENGINES)
 ROW = re.compile(r"^\| `(\w+)`((?: `\w+=[^`]+`)*) \| (`\w+`|-) \|" + r" ([a-z ]+) \|" * len(COLUMNS) + "$", re.MULTILINE)
 
