@@ -136,7 +136,10 @@ def rope_parameters(original: dict, native: dict, layer_type: str | None = None)
     of `layer_type` when the parameters are nested by layer type (gemma3's full_attention and
     sliding_attention), the other entries as they are; `original` itself is left unchanged."""
     rope = copy.deepcopy(original)
-    nested = bool(rope) and all(isinstance(value, dict) for value in rope.values())
+    # an entry may be None: a layer type without RoPE
+    nested = any(isinstance(value, dict) for value in rope.values()) and all(
+        isinstance(value, dict) or value is None for value in rope.values()
+    )
     if nested != (layer_type is not None):
         raise ValueError(
             f"rope_parameters {'are' if nested else 'are not'} nested per layer type ({sorted(rope)}); "

@@ -240,6 +240,8 @@ def test_nested_rope_parameters_keep_their_shape_through_write_save_and_restore(
     assert AutoConfig.from_pretrained(tmp_path).rope_parameters == config.rope_parameters
     with pytest.raises(ValueError, match="per layer type"):
         record.rope_parameters(NESTED, native)
+    without_rope = {"full_attention": NESTED["full_attention"], "no_rope": None}
+    assert record.rope_parameters(without_rope, native, "full_attention") == {"full_attention": native, "no_rope": None}
     record.restore(config, original)
     assert config.rope_parameters == NESTED
 
