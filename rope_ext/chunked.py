@@ -111,7 +111,7 @@ def copy_prefix(model, cache, length: int):
 def _warn_slow_schedule(model, chunk_size: int) -> None:
     """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
     patch = _patch(model)
-    if patch is None or not patch[0].follows_length:
+    if patch is None or "granularity" not in patch[0].schedule:  # longrope's two sets need no groups
         return
     method, params = patch
     if params.get("causal", True) and params["granularity"] < chunk_size:

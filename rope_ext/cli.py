@@ -29,6 +29,11 @@ COMMANDS = {
         arguments.compare,
         "methods x lengths on one model: perplexity, passkey and optionally RULER",
     ),
+    "search": (
+        "rope_ext.search",
+        arguments.search,
+        "LongRoPE-style search of per-pair rescale factors; writes a longrope checkpoint",
+    ),
     "convert-chatglm": (
         "rope_ext.patches.chatglm.convert",
         arguments.convert_chatglm,

@@ -100,6 +100,8 @@ class DynamicRotation:
         if not schedule["causal"]:
             return torch.full_like(q_pos, max(window, int(q_pos.max()) + 1))
         seen = q_pos + 1
+        if self.method.window_step:
+            return torch.where(seen <= window, window, window + 1)
         g = schedule["granularity"]
         past = torch.div(seen - window + g - 1, g, rounding_mode="floor") * g
         return torch.where(seen <= window, window, window + past)

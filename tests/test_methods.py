@@ -24,6 +24,16 @@ def hf_config(geom, rope):
     )
 
 
+def LONGROPE(pairs: int) -> dict:
+    """Per-pair factors that differ in every pair: short ones near 1, long ones up to 8."""
+    return {
+        "rope_type": "longrope",
+        "factor": 4.0,
+        "short_factor": torch.linspace(1.0, 1.3, pairs).tolist(),
+        "long_factor": torch.linspace(1.0, 8.0, pairs).tolist(),
+    }
+
+
 @pytest.mark.parametrize("geom", GEOMETRIES, ids=str)
 @pytest.mark.parametrize(
     "method,rope,seq_len",
@@ -33,17 +43,26 @@ def hf_config(geom, rope):
         ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}, None),
         ("dynamic", {"rope_type": "dynamic", "factor": 4.0}, 3),
         ("dynamic", {"rope_type": "dynamic", "factor": 4.0}, 0.5),
+        ("longrope", LONGROPE, None),
+        ("longrope", LONGROPE, 1),
+        ("longrope", LONGROPE, 3),
+        ("longrope", lambda pairs: {**LONGROPE(pairs), "attention_factor": 1.7}, 3),
+        ("proportional", {"rope_type": "proportional", "factor": 4.0, "partial_rotary_factor": 0.25}, None),
+        ("proportional", {"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 1.0}, None),
     ],
 )
 def test_frequencies_match_transformers_bit_for_bit(geom, method, rope, seq_len):
-    if rope["rope_type"] in ("yarn", "llama3"):
+    rope = rope(geom.rotary_dim // 2) if callable(rope) else rope
+    if rope["rope_type"] in ("yarn", "llama3", "longrope"):
         rope = {**rope, "original_max_position_embeddings": geom.original_window}
     length = None if seq_len is None else int(seq_len * geom.original_window)
     native, native_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](
         hf_config(geom, rope), None, seq_len=None if length is None else torch.tensor(length)
     )
     spec = methods.get(method)
-    ours, factor = spec(geom, length, rope["factor"], spec.validate(rope["factor"], {}))
+    # the method's parameters that transformers' rope_parameters state (llama3's bands, longrope's lists)
+    params = {k: v for k, v in rope.items() if k in spec.params}
+    ours, factor = spec(geom, length, rope["factor"], spec.validate(rope["factor"], params))
     assert ours.dtype == torch.float32
     assert torch.equal(ours, native)
     assert factor == native_factor
@@ -85,7 +104,7 @@ def test_dynamic_is_identity_inside_the_window_and_grows_past_it():
 
 def test_registry_lists_methods_with_parameters():
     listed = rope_ext.methods()
-    assert set(listed) >= {"linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"}
+    assert set(listed) >= {"linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3", "longrope"}
     assert listed["yarn"]["params"]["beta_fast"] == 32.0
     assert listed["dynamic"]["dynamic"] and not listed["ntk"]["dynamic"]
     assert listed["dynamic"]["params"]["causal"] is True

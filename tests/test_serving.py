@@ -197,7 +197,12 @@ def table() -> list[tuple[str, dict, str, dict]]:
     return rows
 
 
+# the parameters a method requires, beside its defaults
+REQUIRED = {"ntk_alpha": {"alpha": 8.0}, "longrope": {"long_factor": [2.0] * 32, "short_factor": [1.0] * 32}}
+
+
 def native(name: str, **params) -> dict | None:
+    params = {**REQUIRED.get(name, {}), **params}
     method = REGISTRY[name].bind(params)
     geometry = RotaryGeometry(rotary_dim=64, base=10000.0, original_window=8192)
     return method.native(geometry, 4.0, method.validate(4.0, params), {})

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from . import alibi_hybrid, dca, rerope, rope, self_extend, sink_window, string
+from . import alibi_hybrid, dca, longrope, rerope, rope, self_extend, sink_window, string
 from .base import Method
 
 REGISTRY: dict[str, Method] = {
     **{m.name: m for m in rope.METHODS},
+    longrope.NAME: longrope.METHOD,
     **{
         m.name: m for m in (alibi_hybrid.METHOD, self_extend.METHOD, rerope.METHOD, string.METHOD, dca.METHOD, sink_window.METHOD)
     },

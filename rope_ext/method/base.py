@@ -31,7 +31,10 @@ Two facts say how the rotation runs, and the flags the orchestration reads follo
   input grows and decode still equals one forward;
 - `follows_length`: the frequencies follow the length a query has seen (dynamic NTK, dynamic
   YaRN), which needs the rotation inside attention and brings the causal schedule's parameters
-  (SCHEDULE_PARAMS).
+  (SCHEDULE_PARAMS);
+- `window_step`: the frequencies that follow the length take one value inside the trained window
+  and one past it (longrope's short and long factors), so the schedule has two lengths and no
+  granularity.
 
 `needs_attention_interface` follows from the method having attention transforms; attention-side
 methods (rope_ext.method.attention_side) declare what they add on top of this contract there.
@@ -94,6 +97,7 @@ class Method:
     params: dict = field(default_factory=dict)
     rotation: str = "static"  # ROTATIONS: where queries and keys are rotated
     follows_length: bool = False  # the frequencies depend on the length a query has seen
+    window_step: bool = False  # ... only on whether it is past the trained window
     factor_required: bool = True
     takes_logn: bool = False
 
@@ -103,6 +107,8 @@ class Method:
         if self.follows_length and self.rotation != "attention":
             # keys cached after rotation would keep the angles of the length they were written at
             raise ValueError(f"{self.name}: frequencies that follow the length need rotation='attention'")
+        if self.window_step and not self.follows_length:
+            raise ValueError(f"{self.name}: window_step is a kind of follows_length")
 
     @property
     def dynamic(self) -> bool:
@@ -117,6 +123,8 @@ class Method:
     @property
     def schedule(self) -> tuple[str, ...]:
         """The SCHEDULE_PARAMS that apply to this method."""
+        if self.window_step:
+            return ("causal",)
         return tuple(SCHEDULE_PARAMS) if self.follows_length else ()
 
     @property
@@ -229,7 +237,8 @@ def check_factor(factor) -> float:
 def check_schedule(name: str, params: dict) -> None:
     if not isinstance(params["causal"], bool):
         raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
-    params["granularity"] = as_size(params["granularity"], f"{name}: granularity")
+    if "granularity" in params:
+        params["granularity"] = as_size(params["granularity"], f"{name}: granularity")
 
 
 def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = None) -> torch.Tensor:

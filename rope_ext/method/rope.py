@@ -25,7 +25,7 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import Method, default_inv_freq
+from .base import MAX_FACTOR, Method, ModelFacts, default_inv_freq
 
 
 def ntk_base(geom: RotaryGeometry, scale: float) -> float:
@@ -156,6 +156,25 @@ def llama3(
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
+def ntk_alpha(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float, alpha: float) -> tuple[torch.Tensor, float]:
+    """HunYuan's NTK with a fixed alpha: the base b * alpha^(D/(D-2)), whatever the factor (which
+    states the window the patch is meant for)."""
+    return default_inv_freq(geom, ntk_base(geom, alpha)), 1.0
+
+
+def proportional(
+    geom: RotaryGeometry, seq_len: int | None = None, *, factor: float, partial_rotary_factor: float = 0.25
+) -> tuple[torch.Tensor, float]:
+    """p-RoPE (transformers' `proportional`, Gemma 4): the highest int(p D / 2) frequencies at
+    their trained values, the others 0 (those pairs never turn), all divided by the factor."""
+    d = geom.rotary_dim
+    angles = int(partial_rotary_factor * d // 2)
+    rotated = 1.0 / (geom.base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / d))
+    inv_freq = torch.cat((rotated, torch.zeros(d // 2 - angles, dtype=torch.float32))) if angles < d // 2 else rotated
+    inv_freq /= factor
+    return inv_freq, 1.0
+
+
 NativeFn = Callable[[RotaryGeometry, float, dict, dict], "dict | None"]
 
 
@@ -172,6 +191,45 @@ class RopeMethod(Method):
 
     def native_over_linear(self, geometry: RotaryGeometry, factor: float, ratio: float, rope: dict) -> dict | None:
         return None if self.over_linear_fn is None else self.over_linear_fn(geometry, factor, ratio, rope)
+
+
+@dataclass(frozen=True)
+class NtkAlphaMethod(RopeMethod):
+    """`alpha` is required: it is the base's stretch, apart from the length factor."""
+
+    def validate(self, factor, params: dict) -> dict:
+        if params.get("alpha") is None:
+            raise ValueError(f"{self.name}: alpha is required (the base becomes base * alpha^(D/(D-2)))")
+        merged = super().validate(factor, params)
+        alpha = merged["alpha"]
+        if not (math.isfinite(alpha) and 1 <= alpha <= MAX_FACTOR):
+            raise ValueError(f"{self.name}: alpha must be a finite number >= 1 and <= {MAX_FACTOR:.0f}, got {alpha!r}")
+        return merged
+
+
+@dataclass(frozen=True)
+class ProportionalMethod(RopeMethod):
+    """transformers' `proportional` takes the exponents over the whole head, so the model must
+    rotate all of it; at least one pair must keep turning."""
+
+    def validate(self, factor, params: dict) -> dict:
+        merged = super().validate(factor, params)
+        if not 0 < merged["partial_rotary_factor"] <= 1:
+            raise ValueError(f"{self.name}: partial_rotary_factor must be in (0, 1], got {merged['partial_rotary_factor']!r}")
+        return merged
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        if geometry.head_dim not in (None, geometry.rotary_dim):
+            raise ValueError(
+                f"{self.name}: the model rotates {geometry.rotary_dim} of {geometry.head_dim} channels per head; "
+                "proportional RoPE needs a fully rotated head (it chooses which pairs turn)"
+            )
+        if int(params["partial_rotary_factor"] * geometry.rotary_dim // 2) < 1:
+            raise ValueError(
+                f"{self.name}: partial_rotary_factor={params['partial_rotary_factor']} leaves no pair of the "
+                f"{geometry.rotary_dim} rotated channels turning"
+            )
+        return factor, params
 
 
 def _base(geometry: RotaryGeometry, rope: dict) -> dict:
@@ -263,6 +321,31 @@ METHODS = [
             **_window(g),
             **_ramp(params),
             "attention_factor": 1.0,
+        },
+    ),
+    NtkAlphaMethod(
+        "ntk_alpha",
+        ntk_alpha,
+        "HunYuan's NTK-aware base with a fixed alpha",
+        "base * alpha^(D/(D-2))",
+        params={"alpha": None},
+        native_fn=lambda g, factor, params, rope: {
+            "rope_type": "default",
+            **_base(g, rope),
+            "rope_theta": ntk_base(g, params["alpha"]),
+        },
+    ),
+    ProportionalMethod(
+        "proportional",
+        proportional,
+        "p-RoPE (Gemma 4's proportional): the lowest frequencies set to 0, the rest / s",
+        "theta_i / s for i < p D/2, else 0",
+        params={"partial_rotary_factor": 0.25},
+        native_fn=lambda g, factor, params, rope: {
+            "rope_type": "proportional",
+            "factor": factor,
+            "rope_theta": g.base,
+            "partial_rotary_factor": params["partial_rotary_factor"],
         },
     ),
     RopeMethod(

@@ -1,0 +1,122 @@
+"""LongRoPE (Ding et al. 2024): a rescale factor for each rotated pair, one set for inputs inside
+the trained window (`short_factor`) and one past it (`long_factor`), theta_i / lambda_i, with the
+attention factor sqrt(1 + ln(s) / ln(L)) on cos and sin. The lists are the user's (or
+`rope-ext search`'s): the method itself searches nothing.
+
+The arithmetic is transformers' `_compute_longrope_parameters` in the same order and dtype, so a
+single forward matches a LLaMA natively configured with `rope_type: longrope` bit for bit, and the
+patch writes that `rope_parameters`. Where the three differ is the schedule under a KV cache:
+
+- transformers picks one set per forward from its longest position: the long set once the input
+  passes L tokens, for every row. With a KV cache, the keys cached before are left rotated with
+  the short set (Phi-3 re-runs the whole prompt at the (L+1)th token instead; LLaMA does not);
+- vLLM picks one set at start-up: the long one for every token whenever max_model_len > L;
+- here (`causal=True`, the default) the row at position p uses the short set when p < L and the
+  long set past it, with every key rotated inside attention with the set of the query that reads
+  it, so one forward, chunked prefill and token-by-token decoding give the same logits (within
+  fp32 rounding: tests/test_longrope.py). `causal=False` is transformers' schedule: one set per
+  forward, from its longest position; under a KV cache the rows computed before keep their values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rope_ext.geometry import RotaryGeometry
+
+from .base import MAX_FACTOR, Method, ModelFacts, as_number
+
+NAME = "longrope"
+FACTOR_LISTS = ("short_factor", "long_factor")
+
+
+def longrope_attention_factor(factor: float, window: int) -> float:
+    """LongRoPE's attention factor sqrt(1 + ln(s) / ln(L)), 1 for s <= 1 (transformers' default)."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(window))
+
+
+def longrope(
+    geom: RotaryGeometry,
+    seq_len: int | None = None,
+    *,
+    factor: float,
+    short_factor: list[float],
+    long_factor: list[float],
+    attention_factor: float | None = None,
+) -> tuple[torch.Tensor, float]:
+    """theta_i / lambda_i with lambda = long_factor when seq_len > L, else short_factor; the same
+    attention factor for both sets."""
+    chosen = long_factor if seq_len and seq_len > geom.original_window else short_factor
+    exponents = torch.arange(0, geom.rotary_dim, 2, dtype=torch.int64).float() / geom.rotary_dim
+    inv_freq = 1.0 / (torch.tensor(chosen, dtype=torch.float32) * geom.base**exponents)
+    scale = longrope_attention_factor(factor, geom.original_window) if attention_factor is None else attention_factor
+    return inv_freq, scale
+
+
+def as_factor_list(value, what: str) -> list[float]:
+    """`value` (a list or tuple of numbers, or a 1-D tensor or array) as a list of Python floats,
+    each finite, > 0 and <= MAX_FACTOR."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"{what} must be a non-empty list of numbers (one rescale factor per rotated pair), got {value!r}")
+    numbers = [as_number(item, f"{what}[{i}]") for i, item in enumerate(value)]
+    for i, number in enumerate(numbers):
+        if not (math.isfinite(number) and 0 < number <= MAX_FACTOR):
+            raise ValueError(f"{what}[{i}] must be a finite number in (0, {MAX_FACTOR:.0f}], got {number!r}")
+    return [float(number) for number in numbers]
+
+
+@dataclass(frozen=True)
+class LongRopeMethod(Method):
+    """The factor lists are checked as lists here and against the rotary dim in `resolve`;
+    `short_factor` defaults to ones (the trained frequencies inside the window)."""
+
+    def validate(self, factor, params: dict) -> dict:
+        lists = {key: params[key] for key in FACTOR_LISTS if params.get(key) is not None}
+        if "long_factor" not in lists:
+            raise ValueError(f"{self.name}: long_factor is required (a list of D/2 rescale factors, D the rotary dim)")
+        merged = super().validate(factor, {k: v for k, v in params.items() if k not in FACTOR_LISTS})
+        return {**merged, **{key: as_factor_list(value, f"{self.name}: {key}") for key, value in lists.items()}}
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        pairs = geometry.rotary_dim // 2
+        params = {**params, "short_factor": params.get("short_factor") or [1.0] * pairs}
+        for key in FACTOR_LISTS:
+            if len(params[key]) != pairs:
+                raise ValueError(
+                    f"{self.name}: {key} has {len(params[key])} entries; this model rotates {pairs} pairs "
+                    f"(rotary dim {geometry.rotary_dim})"
+                )
+        return factor, params
+
+    def native(self, geometry: RotaryGeometry, factor: float, params: dict, rope: dict) -> dict:
+        # transformers' own keys, also what vLLM's reader takes (docs/longrope.md); written for
+        # either schedule: the plain reload is transformers' schedule (docs/longrope.md)
+        temperature = {} if params["attention_factor"] is None else {"attention_factor": params["attention_factor"]}
+        partial = {k: v for k, v in rope.items() if k == "partial_rotary_factor"}
+        return {
+            "rope_type": "longrope",
+            "rope_theta": geometry.base,
+            **partial,
+            "factor": factor,
+            "original_max_position_embeddings": geometry.original_window,
+            "short_factor": list(params["short_factor"]),
+            "long_factor": list(params["long_factor"]),
+            **temperature,
+        }
+
+
+METHOD = LongRopeMethod(
+    NAME,
+    longrope,
+    "LongRoPE: per-pair rescale factors, short inside the window, long past it",
+    "theta_i / short_i at p < L, theta_i / long_i past it; cos, sin * sqrt(1 + ln s / ln L)",
+    params={"short_factor": None, "long_factor": None, "attention_factor": None},
+    rotation="attention",
+    follows_length=True,
+    window_step=True,
+)

@@ -1,0 +1,296 @@
+"""`rope-ext search`: LongRoPE's evolutionary search of per-pair rescale factors (docs/search.md),
+scaled down for a CPU, with LongRoPE2's needle-driven score.
+
+A candidate is a `long_factor` list lambda (one entry per rotated pair, non-decreasing, each in
+[1, 1.25 s] on a 0.01 grid, LongRoPE's search space). Its score is the mean cross-entropy of the
+answer tokens of passkey prompts at the target length (the key the prompt hid, after "The pass
+key is"), with the model patched `longrope` at those factors. The first generation is YaRN's,
+PI's and NTK's factors and mutations of YaRN's; each later one mutates and crosses the best
+`population` found so far. Every evaluation is a line of search.jsonl, from which `--resume`
+rebuilds the state: generation g's children follow from the population before g and a generator
+seeded with (seed, g), so a resumed search evaluates what an uninterrupted one would have.
+
+The result is the base checkpoint patched `longrope` with the best factors (short factors ones),
+saved with `save_pretrained`: config.json carries transformers' own `longrope` rope_parameters,
+so transformers and vLLM serve it from config.json alone, and rope_ext.from_pretrained restores the
+causal schedule (docs/longrope.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import rope_ext
+from rope_ext.arguments import DEFAULT_ROOT
+from rope_ext.evals import loading
+from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
+from rope_ext.geometry import RotaryGeometry
+from rope_ext.method.base import as_size, check_factor, default_inv_freq
+from rope_ext.method.rope import ntk, yarn
+
+LOG = "search.jsonl"
+BEST = "best.json"
+CHECKPOINT = "checkpoint"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+NEEDLES = ("digits", "words")
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+STEP = 0.01  # LongRoPE's grid for lambda
+HEADROOM = 1.25  # lambda_i <= 1.25 s, LongRoPE's upper bound
+MUTATION_RATE = 0.3  # the share of pairs a mutation moves
+MUTATION_SCALE = 0.1  # the spread of a move, in log(lambda)
+TRIES = 4  # draws for a child that was not evaluated before
+
+
+@dataclass(frozen=True)
+class Needle:
+    """One passkey prompt followed by its answer: `ids` [1, T], the last `answer` tokens the key."""
+
+    ids: torch.LongTensor
+    answer: int
+
+
+def spell(key: int, needle: str) -> str:
+    """The key as the prompt states it: its digits, or with `needle` "words" each digit's English
+    name (for a model whose training text holds few digits, such as the tiny model's plays)."""
+    return str(key) if needle == "digits" else " ".join(DIGIT_WORDS[int(d)] for d in str(key))
+
+
+def needles(tokenizer, length: int, samples: int, seed: int, needle: str = "digits") -> list[Needle]:
+    """`samples` passkey prompts of at most `length` tokens with their answers, at the depths of
+    DEPTHS in turn, keys drawn from `seed` (passkey.trial_key) and spelled as `needle` says."""
+    widest = (spell(int(str(d) * len(str(KEY_RANGE[1]))), needle) for d in range(1, 10))
+    room = max(len(tokenizer(f" {text}", verbose=False)["input_ids"]) for text in widest) + 1
+    found = []
+    for sample in range(samples):
+        depth = DEPTHS[sample % len(DEPTHS)]
+        key = spell(trial_key(seed, length, depth, sample), needle)
+        prompt = build_prompt(tokenizer, length - room, depth, key)
+        full = tokenizer(f"{prompt.text} {key}", verbose=False)["input_ids"]
+        found.append(Needle(torch.tensor([full]), len(full) - shared_prefix(full, prompt.ids)))
+    return found
+
+
+@torch.no_grad()
+def answer_loss(model, prompts: list[Needle]) -> float:
+    """Mean over the prompts of the mean cross-entropy of their answer tokens; the LM head runs
+    on the answer rows only."""
+    device = next(model.parameters()).device
+    losses = []
+    for needle in prompts:
+        logits = model(needle.ids.to(device), logits_to_keep=needle.answer + 1).logits[0, :-1].float()
+        losses.append(F.cross_entropy(logits, needle.ids[0, -needle.answer :].to(device)).item())
+    return sum(losses) / len(losses)
+
+
+def legal(factors, factor: float) -> list[float]:
+    """`factors` clipped to [1, HEADROOM s], made non-decreasing and put on the STEP grid."""
+    top = math.floor(HEADROOM * factor / STEP) * STEP
+    out, floor = [], 1.0
+    for value in factors:
+        floor = max(floor, min(max(float(value), 1.0), top))
+        out.append(round(round(floor / STEP) * STEP, 2))
+    return out
+
+
+def seeds(geometry: RotaryGeometry, factor: float) -> dict[str, list[float]]:
+    """YaRN's, PI's and NTK's frequencies as per-pair factors theta_i / theta_i'."""
+    trained = default_inv_freq(geometry)
+    return {
+        "yarn": legal((trained / yarn(geometry, factor=factor)[0]).tolist(), factor),
+        "pi": legal([factor] * (geometry.rotary_dim // 2), factor),
+        "ntk": legal((trained / ntk(geometry, factor=factor)[0]).tolist(), factor),
+    }
+
+
+def mutate(parent: list[float], factor: float, rng: random.Random) -> list[float]:
+    moved = [v * math.exp(rng.gauss(0, MUTATION_SCALE)) if rng.random() < MUTATION_RATE else v for v in parent]
+    return legal(moved, factor)
+
+
+def crossover(a: list[float], b: list[float], factor: float, rng: random.Random) -> list[float]:
+    return legal([x if rng.random() < 0.5 else y for x, y in zip(a, b)], factor)
+
+
+class Search:
+    """The search's state, rebuilt from its log: every evaluated candidate and its loss."""
+
+    def __init__(
+        self, score: Callable[[list[float]], float], start: dict[str, list[float]], factor: float, population: int, seed: int
+    ):
+        self.score, self.start, self.factor, self.population, self.seed = score, start, factor, population, seed
+        self.records: list[dict] = []
+
+    def best(self, before: int | None = None) -> list[dict]:
+        """The `population` lowest-loss records (of generations before `before`), best first."""
+        chosen = [r for r in self.records if before is None or r["generation"] < before]
+        return sorted(chosen, key=lambda r: (r["loss"], r["evaluation"]))[: self.population]
+
+    def children(self, generation: int) -> list[tuple[str, list[float]]]:
+        """Generation `generation`'s candidates, from the population before it and a generator
+        seeded with (seed, generation)."""
+        rng = random.Random(f"{self.seed}:{generation}")
+        if generation == 0:
+            found = list(self.start.items())
+            while len(found) < self.population:
+                found.append(("mutation", mutate(self.start["yarn"], self.factor, rng)))
+            return found
+        parents = [r["long_factor"] for r in self.best(generation)]
+        elite = parents[: max(2, len(parents) // 2)]
+        seen = {tuple(r["long_factor"]) for r in self.records if r["generation"] < generation}
+        found = []
+        for _ in range(self.population):
+            for _ in range(TRIES):
+                if rng.random() < 0.5 or len(elite) < 2:
+                    origin, child = "mutation", mutate(rng.choice(elite), self.factor, rng)
+                else:
+                    a, b = rng.sample(elite, 2)
+                    origin, child = "crossover", crossover(a, b, self.factor, rng)
+                if tuple(child) not in seen:
+                    break
+            seen.add(tuple(child))
+            found.append((origin, child))
+        return found
+
+    def run(self, budget_s: float, log, max_generations: int | None = None, progress: bool = True) -> None:
+        """Evaluate generation after generation until `budget_s` seconds have passed (checked
+        before each evaluation) or `max_generations` generations are complete; each evaluation
+        is appended to `log` (a text file open for appending) as it ends."""
+        began = time.monotonic()
+        generation = max((r["generation"] for r in self.records), default=0)
+        done = {(r["generation"], tuple(r["long_factor"])) for r in self.records}
+        bar = tqdm(total=round(budget_s), unit="s", desc="search", disable=not progress)
+        while max_generations is None or generation < max_generations:
+            for origin, candidate in self.children(generation):
+                if (generation, tuple(candidate)) in done:
+                    continue
+                if time.monotonic() - began >= budget_s:
+                    bar.close()
+                    return
+                t0 = time.monotonic()
+                loss = self.score(candidate)
+                record = {
+                    "evaluation": len(self.records),
+                    "generation": generation,
+                    "origin": origin,
+                    "long_factor": candidate,
+                    "loss": loss,
+                    "seconds": round(time.monotonic() - t0, 3),
+                }
+                self.records.append(record)
+                done.add((generation, tuple(candidate)))
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.n = min(bar.total, round(time.monotonic() - began))
+                bar.set_postfix(best=f"{self.best()[0]['loss']:.4f}", evaluations=len(self.records), generation=generation)
+            generation += 1
+        bar.close()
+
+
+def setup_of(args: argparse.Namespace) -> dict:
+    """What a resumed search must share with the one it continues."""
+    keys = ("model", "factor", "length", "samples", "needle", "seed", "population", "dtype", "original_window")
+    return {key: getattr(args, key) for key in keys}
+
+
+def read_log(path: Path) -> tuple[dict, list[dict]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not lines or "setup" not in lines[0]:
+        raise ValueError(f"{path} does not start with a search's setup line")
+    return lines[0]["setup"], lines[1:]
+
+
+def check(args: argparse.Namespace) -> Path:
+    """The output folder, after every argument is checked before the model loads."""
+    check_factor(args.factor)
+    if not (isinstance(args.budget_minutes, float) and math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
+        raise ValueError(f"--budget-minutes must be a positive number, got {args.budget_minutes!r}")
+    as_size(args.population, "--population", minimum=2)
+    as_size(args.samples, "--samples")
+    if args.generations is not None:
+        as_size(args.generations, "--generations")
+    if args.length is not None:
+        as_size(args.length, "--length", minimum=2)
+    if args.original_window is not None:
+        as_size(args.original_window, "--original-window")
+    loading.check_model(args.model, args.device)
+    folder = Path(args.output or Path(DEFAULT_ROOT) / f"search-{time.strftime('%Y%m%d-%H%M%S')}")
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--output {folder} is a file, not a folder")
+    log = folder / LOG
+    if args.resume:
+        if not log.is_file():
+            raise ValueError(f"--resume: {log} does not exist; start the search without --resume")
+        setup, _ = read_log(log)
+        if setup != setup_of(args):
+            changed = sorted(k for k in setup_of(args) if setup.get(k) != setup_of(args)[k])
+            raise ValueError(f"--resume: {log} was written with other settings ({', '.join(changed)}); give the same ones")
+    elif log.exists():
+        raise FileExistsError(f"{log} exists; pass --resume to continue that search, or choose another --output")
+    return folder
+
+
+def run(args: argparse.Namespace, folder: Path) -> int:
+    model, tokenizer = loading.load_model(args.model, args.dtype, args.device)
+    probe = rope_ext.patch(model, "linear", factor=args.factor, original_window=args.original_window)
+    geometry = RotaryGeometry(probe.rotary_dim, probe.base, probe.original_window, probe.layout, probe.head_dim)
+    length = args.length or math.ceil(geometry.original_window * args.factor)
+    prompts = needles(tokenizer, length, args.samples, args.seed, args.needle)
+
+    def patch(long_factor: list[float], **params) -> None:
+        rope_ext.patch(
+            model, "longrope", factor=args.factor, long_factor=long_factor, original_window=geometry.original_window, **params
+        )
+
+    def score(long_factor: list[float]) -> float:
+        # causal=False: one group per forward; the answer rows lie past the window, where both
+        # schedules use the long factors for every key
+        patch(long_factor, causal=False)
+        return answer_loss(model, prompts)
+
+    search = Search(score, seeds(geometry, args.factor), args.factor, args.population, args.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / LOG
+    if args.resume:
+        search.records = read_log(log_path)[1]
+    else:
+        log_path.write_text(json.dumps({"setup": setup_of(args)}) + "\n")
+    print(
+        f"search: {len(prompts)} passkey prompts ({args.needle}) of {length} tokens, window {geometry.original_window} x{args.factor:g}, "
+        f"{geometry.rotary_dim // 2} factors, population {args.population}, budget {args.budget_minutes:g} min"
+        + (f", resuming after {len(search.records)} evaluations" if search.records else "")
+    )
+    with open(log_path, "a", encoding="utf-8") as log:
+        search.run(args.budget_minutes * 60, log, args.generations, progress=not args.no_progress)
+    if not search.records:
+        raise ValueError("the budget ended before the first evaluation; give more --budget-minutes")
+    best = search.best()[0]
+    starts = {r["origin"]: r["loss"] for r in search.records if r["generation"] == 0 and r["origin"] in search.start}
+    patch(best["long_factor"])
+    model.save_pretrained(folder / CHECKPOINT)
+    tokenizer.save_pretrained(folder / CHECKPOINT)
+    result = {
+        "long_factor": best["long_factor"],
+        "loss": best["loss"],
+        "evaluation": best["evaluation"],
+        "seed_losses": starts,
+        "evaluations": len(search.records),
+        "length": length,
+        "factor": args.factor,
+        "original_window": geometry.original_window,
+        "checkpoint": str(folder / CHECKPOINT),
+    }
+    (folder / BEST).write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}"
+    )
+    return 0

@@ -1,0 +1,127 @@
+"""`rope-ext search` (issue #27, docs/search.md): LongRoPE's evolutionary search of per-pair
+factors scored by the answer loss of passkey needles, on the tiny trained model: its result beats
+YaRN on held-out needles, its checkpoint is transformers' own longrope and reloads, every
+evaluation is logged and a resumed search is the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import rope_ext
+from rope_ext import cli
+from rope_ext.geometry import RotaryGeometry
+from rope_ext.search import BEST, CHECKPOINT, LOG, answer_loss, crossover, legal, mutate, needles, seeds
+
+from helpers import cli_error_line, load_llama
+
+
+def search(tiny_path, out, *extra) -> list[str]:
+    argv = ["search", "--model", str(tiny_path), "--factor", "4", "--output", str(out), "--dtype", "float32"]
+    return argv + ["--needle", "words", "--no-progress", *extra]
+
+
+def logged(out) -> list[dict]:
+    return [json.loads(line) for line in (out / LOG).read_text().splitlines()[1:]]
+
+
+@pytest.mark.integration
+def test_the_result_beats_yarn_on_held_out_needles_and_reloads(tiny_path, tiny_tokenizer, tmp_path):
+    out = tmp_path / "search"
+    argv = search(tiny_path, out, "--budget-minutes", "20", "--generations", "4", "--population", "8", "--samples", "5")
+    assert cli.main(argv) == 0
+    best = json.loads((out / BEST).read_text())
+    records = logged(out)
+    assert len(records) == best["evaluations"] and min(r["loss"] for r in records) == best["loss"]
+    assert best["loss"] < best["seed_losses"]["yarn"]
+
+    held_out = needles(tiny_tokenizer, 512, 10, seed=1000, needle="words")
+    yarn = load_llama(tiny_path)
+    rope_ext.patch(yarn, "yarn", factor=4)
+    found = rope_ext.from_pretrained(out / CHECKPOINT, dtype=torch.float32).eval()
+    assert answer_loss(found, held_out) < answer_loss(yarn, held_out)
+
+    config = json.loads((out / CHECKPOINT / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "longrope"
+    assert config["rope_parameters"]["long_factor"] == best["long_factor"]
+    assert config["max_position_embeddings"] == 512
+    causal, single = load_llama(tiny_path), load_llama(tiny_path)
+    rope_ext.patch(causal, "longrope", factor=4, long_factor=best["long_factor"])
+    rope_ext.patch(single, "longrope", factor=4, long_factor=best["long_factor"], causal=False)
+    plain = AutoModelForCausalLM.from_pretrained(out / CHECKPOINT, dtype=torch.float32).eval()
+    ids = held_out[0].ids
+    with torch.no_grad():
+        assert (found(ids).logits - causal(ids).logits).abs().max() <= 1e-5
+        assert (plain(ids).logits - single(ids).logits).abs().max() <= 1e-5
+
+
+def test_every_evaluation_is_logged_and_a_resumed_search_is_the_uninterrupted_one(tiny_path, tmp_path):
+    small = ["--population", "4", "--samples", "1", "--length", "200", "--budget-minutes", "10"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main(search(tiny_path, whole, *small, "--generations", "3")) == 0
+    assert cli.main(search(tiny_path, split, *small, "--generations", "1")) == 0
+    assert len(logged(split)) == 4  # yarn, pi, ntk and one mutation of yarn
+    assert cli.main(search(tiny_path, split, *small, "--generations", "3", "--resume")) == 0
+    strip = lambda records: [{k: v for k, v in r.items() if k != "seconds"} for r in records]  # noqa: E731
+    assert strip(logged(split)) == strip(logged(whole))
+    assert [r["origin"] for r in logged(whole)[:3]] == ["yarn", "pi", "ntk"]
+    assert {r["generation"] for r in logged(whole)} == {0, 1, 2}
+    assert json.loads((split / BEST).read_text())["long_factor"] == json.loads((whole / BEST).read_text())["long_factor"]
+
+
+def test_the_budget_stops_the_search_between_evaluations(tiny_path, tmp_path):
+    out = tmp_path / "out"
+    argv = search(tiny_path, out, "--population", "4", "--samples", "1", "--length", "200", "--budget-minutes", "0.00001")
+    assert cli.main(argv) == 0
+    assert len(logged(out)) == 1  # the budget is checked before each evaluation; the first one runs out of it
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--factor", "1"], "factor must be a finite number > 1"),
+        (["--budget-minutes", "0"], "--budget-minutes must be a positive number"),
+        (["--population", "1"], "--population must be an int in [2,"),
+        (["--samples", "0"], "--samples must be an int in [1,"),
+        (["--resume"], "search.jsonl does not exist; start the search without --resume"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_model_loads(no_model, tmp_path, capsys, extra, message):
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(tmp_path / "o")]
+    (tmp_path / "config.json").write_text("{}")
+    assert message in cli_error_line(argv + extra, capsys)
+
+
+def test_an_existing_log_needs_resume_and_the_same_settings(no_model, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o"
+    out.mkdir()
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
+    setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
+    (out / LOG).write_text(json.dumps({"setup": {**setup, "population": 16, "dtype": "auto", "original_window": None}}) + "\n")
+    assert "exists; pass --resume" in cli_error_line(argv, capsys)
+    assert "other settings (seed)" in cli_error_line(argv + ["--resume", "--seed", "3"], capsys)
+
+
+def test_candidates_stay_in_the_search_space():
+    """Non-decreasing, in [1, 1.25 s], on the 0.01 grid: the seeds, mutations and crossovers."""
+    geometry = RotaryGeometry(64, 10000.0, 8192)
+    start = seeds(geometry, 4.0)
+    rng = random.Random(0)
+    found = list(start.values())
+    for _ in range(50):
+        found.append(mutate(rng.choice(found), 4.0, rng))
+        found.append(crossover(rng.choice(found), rng.choice(found), 4.0, rng))
+    for factors in found:
+        assert len(factors) == 32
+        assert all(a <= b for a, b in zip(factors, factors[1:]))
+        assert 1.0 <= factors[0] and factors[-1] <= 5.0
+        assert all(math.isclose(v * 100, round(v * 100), abs_tol=1e-9) for v in factors)
+    assert start["pi"] == [4.0] * 32
+    assert start["yarn"][0] == 1.0 and start["yarn"][-1] == 4.0
+    assert legal([0.5, 3.0, 2.0, 9.0], 4.0) == [1.0, 3.0, 3.0, 5.0]
