@@ -29,8 +29,8 @@ from helpers import (
 
 class PaperDualChunk(AttentionTransform):
     """Dual Chunk Attention as An et al. 2024 define it (section 3, Fig. 2), in fp64, for one
-    unpadded sequence at positions start, start + 1, ... with no cache; written from the paper and
-    HKUNLP/ChunkLlama, not from rope_ext. With c = chunk_size, w = local_size and s = c - w, the
+    unpadded sequence at positions start, start + 1, ... with no cache; written from the paper, not
+    from rope_ext (docs/dca.md says where HKUNLP/ChunkLlama's code differs). With c = chunk_size, w = local_size and s = c - w, the
     chunk of position p is floor(p / s) and every key sits at P_k = p mod s; a query meets a key
     of its own chunk at P_q^intra = its position mod s, a key of the chunk before at P_q^succ (the
     first w positions of a chunk at s, s + 1, ..., s + w - 1, the others at c - 1) and a key of

@@ -15,7 +15,9 @@ nearby tokens keep their true distance up to local_size into the next chunk.
 A query in the first two chunks at a position below c (i < min(c, 2s)) meets every key at its
 true distance through the maps above: such queries attend with their own positions, exactly as the
 unpatched model (bit for bit). With local_size > c / 2 (s < c / 2) the queries from 2s to c - 1
-already see keys two chunks back at the inter-chunk position c - 1, as the maps say. The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
+already see keys two chunks back at the inter-chunk position c - 1, as the maps say.
+
+The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
 mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
 token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
 queries past the trained window (docs/logn.md).
