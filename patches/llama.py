@@ -16,6 +16,7 @@ from torch import nn
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
+from rope_ext.method.dca import CONFIG_KEY, stated_sizes
 from rope_ext.record import Patch, config_values, restore, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
@@ -76,9 +77,7 @@ class LlamaFamily(FamilyAdapter):
             record["original_window"] = original_window
         elif "original_window" in record:
             pass
-        elif stated_window := (getattr(config, "dual_chunk_attention_config", None) or {}).get(
-            "original_max_position_embeddings"
-        ):
+        elif stated_window := stated_sizes(getattr(config, CONFIG_KEY, None)).get("original_max_position_embeddings"):
             # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
             record["original_window"] = stated_window
         elif rope_type == "default":

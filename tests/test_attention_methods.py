@@ -239,6 +239,20 @@ def test_padded_batches_are_refused(method):
     assert_refuses_padded_batches(method)
 
 
+@pytest.mark.parametrize("method", rows(lambda row: row.unpadded))
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("mistral", {"sliding_window": 32}), ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1})],
+)
+def test_a_sliding_window_model_is_refused_at_patch(method, model_type, overrides):
+    """A method that chooses the keys each query attends cannot keep a sliding window: refused
+    with the reason when patched, not at every forward."""
+    model = random_model(model_type, **overrides)
+    assert_refused_unchanged(
+        method, {"factor": 4}, f"{method}: the model's layers attend through a sliding window of 32", model=model
+    )
+
+
 @pytest.mark.parametrize("method", rows())
 def test_a_static_cache_is_refused(method):
     model = random_model()

@@ -3,42 +3,80 @@
 meets (exactness inside the window, caching, saving, refusals) is in test_attention_methods.py."""
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.attention import AttentionTransform
 from rope_ext.method import dca
 
-from helpers import WINDOW, assert_refused_unchanged, ppl_past_window, random_ids, random_model, rotate, set_chain
+from helpers import (
+    WINDOW,
+    assert_refused_unchanged,
+    assert_saves_reloads_and_unpatches,
+    ppl_past_window,
+    random_ids,
+    random_model,
+    set_chain,
+)
 
 
-class NaiveDualChunk(AttentionTransform):
-    """The three position maps with full matrices, for one unpadded sequence: a query below
-    chunk_size keeps its own positions; others see keys at j mod s and sit at i mod s (same chunk),
-    min(i mod s + s, c - 1) (previous chunk) or c - 1 (earlier chunks)."""
+class PaperDualChunk(AttentionTransform):
+    """Dual Chunk Attention as An et al. 2024 define it (section 3, Fig. 2), in fp64, for one
+    unpadded sequence at positions start, start + 1, ... with no cache; written from the paper, not
+    from rope_ext (docs/dca.md says where HKUNLP/ChunkLlama's code differs). With c = chunk_size, w = local_size and s = c - w, the
+    chunk of position p is floor(p / s) and every key sits at P_k = p mod s; a query meets a key
+    of its own chunk at P_q^intra = its position mod s, a key of the chunk before at P_q^succ (the
+    first w positions of a chunk at s, s + 1, ..., s + w - 1, the others at c - 1) and a key of
+    any earlier chunk at P_q^inter = c - 1; one softmax over all. No query is exempt."""
 
-    def __init__(self, rotary):
-        self.rotary = rotary
+    def __init__(self, chunk: int, local: int, base: float, dim: int, start: int = 0):
+        self.chunk, self.local, self.base, self.dim, self.start = chunk, local, base, dim, start
+
+    def rotate(self, x, positions):
+        half = self.dim // 2
+        inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) * 2 / self.dim)
+        angles = positions[:, None] * inv_freq[None, :]
+        a, b = x[..., :half], x[..., half : self.dim]
+        return torch.cat((a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin(), x[..., self.dim :]), dim=-1)
 
     def __call__(self, module, query, key, value, attention_mask, attend, scaling=None, **kwargs):
-        frame, geometry, params = self.rotary.frame, self.rotary.geometry, self.rotary.params
-        i, j = frame.q_pos[0], frame.k_pos[0]
-        c, s, dim = params["chunk_size"], params["chunk_size"] - params["local_size"], geometry.rotary_dim
+        c, w = self.chunk, self.local
+        s = c - w
+        positions = torch.arange(self.start, self.start + query.shape[-2], dtype=torch.float64)
+        in_chunk = positions - s * torch.floor(positions / s)
+        chunk_of = torch.floor(positions / s)
+        p_intra = in_chunk
+        p_succ = torch.where(in_chunk < w, s + in_chunk, torch.full_like(in_chunk, c - 1))
+        p_inter = torch.full_like(in_chunk, c - 1)
         rep = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        q, k, v = query.double(), key.double().repeat_interleave(rep, dim=1), value.double().repeat_interleave(rep, dim=1)
+        k_rot = self.rotate(k, in_chunk).transpose(-1, -2)
+        back = chunk_of[:, None] - chunk_of[None, :]  # how many chunks the key lies before the query
+        scores = torch.where(
+            back == 0,
+            self.rotate(q, p_intra) @ k_rot,
+            torch.where(back == 1, self.rotate(q, p_succ) @ k_rot, self.rotate(q, p_inter) @ k_rot),
+        )
+        scores = (scores * scaling).masked_fill(positions[:, None] < positions[None, :], float("-inf"))
+        return (scores.softmax(-1) @ v).to(query.dtype).transpose(1, 2), None
 
-        def scores(q_positions, k_positions):
-            return rotate(query, q_positions, geometry.base, dim) @ rotate(key, k_positions, geometry.base, dim).transpose(-1, -2)
 
-        own, intra = scores(i, j), scores(i % s, j % s)
-        succ, inter = scores(torch.clamp(i % s + s, max=c - 1), j % s), scores(torch.full_like(i, c - 1), j % s)
-        step = (i // s)[:, None] - (j // s)[None, :]
-        dca = torch.where(step == 0, intra, torch.where(step == 1, succ, inter))
-        chosen = torch.where((i < c)[:, None], own, dca) * scaling
-        chosen = chosen.masked_fill(i[:, None] < j[None, :], float("-inf"))
-        return (chosen.softmax(-1) @ value).transpose(1, 2), None
+@torch.no_grad()
+def paper_logits(model, ids, chunk: int, local: int, start: int = 0) -> torch.Tensor:
+    """fp64 logits of `model` with every layer's attention PaperDualChunk at positions start, ..."""
+    exact = copy.deepcopy(model).double()
+    rope_ext.patch(exact, "dca", factor=4, chunk_size=chunk, local_size=local)  # the hook, queries and keys unrotated
+    geometry = exact.model.rotary_emb.geometry
+    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, start)])
+    positions = torch.arange(start, start + ids.shape[-1])[None]
+    return exact(ids, position_ids=positions).logits
 
 
 @pytest.mark.parametrize("params", [{}, {"chunk_size": 48, "local_size": 6}, {"local_size": 20}])
@@ -55,12 +93,64 @@ def test_matches_the_definition(monkeypatch, params):
 
     monkeypatch.setattr(dca, "attend_with_lse", recorded)
     with torch.no_grad():
-        ours = model(x).logits
-        set_chain(model, [NaiveDualChunk(model.model.rotary_emb)])
-        naive = model(x).logits
+        ours = model(x).logits.double()
+    params = model.model.rotary_emb.params
+    naive = paper_logits(model, x, params["chunk_size"], params["local_size"])
     assert (ours - naive).abs().max() < 1e-5
     # the rows past chunk_size (the first of them mid-chunk) attend without a mask
     assert masks and all(mask is None for mask in masks)
+
+
+# (chunk_size, local_size) on the tiny model (window 128): ChunkLlama's 3/4 of the window, the
+# default, and local_size above chunk_size / 2, where queries below chunk_size see keys two
+# chunks back
+PAPER_SETTINGS = [(96, 24), (128, 8), (128, 80), (64, 48)]
+
+
+@pytest.mark.parametrize("chunk, local", PAPER_SETTINGS)
+def test_matches_the_paper_on_the_tiny_model(tiny_model, heldout_ids, chunk, local):
+    """The patched fp32 logits against PaperDualChunk in fp64 are as close as plain attention's
+    fp32 logits to fp64 (with local_size > chunk_size / 2 rows 2s .. c - 1 were 0.88 off)."""
+    ids = heldout_ids[None, :512]
+    with torch.no_grad():
+        plain_error = (tiny_model(ids).logits.double() - copy.deepcopy(tiny_model).double()(ids).logits).abs().max()
+        rope_ext.patch(tiny_model, "dca", factor=4, chunk_size=chunk, local_size=local)
+        error = (tiny_model(ids).logits.double() - paper_logits(tiny_model, ids, chunk, local)).abs().max()
+    assert error <= 4 * plain_error, (error, plain_error)
+
+
+# A forward whose positions start past 0 (a continuation without the cache of the tokens before)
+# once killed the process with SIGFPE: it runs in a child process so that a crash fails the test.
+OFFSET_CHILD = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import rope_ext
+from helpers import load_llama
+from rope_ext.training import tiny
+from transformers import AutoTokenizer
+from test_dca import paper_logits
+
+path, chunk, local, start = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+model = load_llama(path)
+ids = tiny.heldout_ids(AutoTokenizer.from_pretrained(path))[None, :200]
+rope_ext.patch(model, "dca", factor=4, chunk_size=chunk, local_size=local)
+with torch.no_grad():
+    ours = model(ids, position_ids=torch.arange(start, start + 200)[None]).logits.double()
+print((ours - paper_logits(model, ids, chunk, local, start)).abs().max().item())
+"""
+
+
+@pytest.mark.parametrize("chunk, local, start", [(128, 8, 37), (128, 8, 300), (64, 48, 100)])
+def test_positions_that_do_not_start_at_0_follow_the_paper(tiny_path, chunk, local, start):
+    tests = Path(__file__).parent
+    child = subprocess.run(
+        [sys.executable, "-c", OFFSET_CHILD, str(tests), str(tiny_path), str(chunk), str(local), str(start)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert float(child.stdout.split()[-1]) < 1e-4
 
 
 def test_fp32_rounding_past_the_window_is_that_of_plain_attention(tiny_model, heldout_ids):
@@ -98,8 +188,58 @@ def test_qwen_dual_chunk_attention_config_sets_chunk_local_and_window():
         ({"chunk_size": 2 * WINDOW}, "exceeds the trained window"),
         ({"local_size": WINDOW}, "local_size must be between"),
         ({"chunk_size": 1.5}, "must be an int"),
+        ({"chunk_size": 1}, re.escape("dca: chunk_size (or None for the default) must be an int in [2,")),
         ({"causal": False}, "do not apply"),
     ],
 )
 def test_bad_parameters_change_nothing(kwargs, message):
     assert_refused_unchanged("dca", {"factor": 4, **kwargs}, message)
+
+
+def qwen_with(stated):
+    """A random Qwen2 (window 4 x WINDOW, or WINDOW where `stated` says so) whose config carries `stated` as its dual_chunk_attention_config."""
+    model = random_model("qwen2", max_position_embeddings=4 * WINDOW)
+    model.config.dual_chunk_attention_config = stated
+    return model
+
+
+KEY = "config.json: dual_chunk_attention_config"
+
+
+@pytest.mark.parametrize(
+    "method, stated, message",
+    [
+        ("dca", {"chunk_size": 40.7}, f"{KEY}.chunk_size must be an int in [2,"),
+        ("dca", {"chunk_size": "48"}, f"{KEY}.chunk_size must be an int in [2,"),
+        ("dca", {"local_size": True}, f"{KEY}.local_size must be an int in [1,"),
+        ("dca", {"original_max_position_embeddings": 0}, f"{KEY}.original_max_position_embeddings must be an int in [2,"),
+        ("yarn", {"original_max_position_embeddings": 0}, f"{KEY}.original_max_position_embeddings must be an int"),
+        ("yarn", {"original_max_position_embeddings": "64"}, f"{KEY}.original_max_position_embeddings must be an int"),
+        ("dca", [48, 4], f"{KEY} must be a mapping"),
+        ("yarn", "chunked", f"{KEY} must be a mapping"),
+        ("dca", {"chunk_size": 48, "local_size": 48}, f"{KEY}.local_size (48) must be below {KEY[13:]}.chunk_size (48)"),
+        ("dca", {"chunk_size": 96, "original_max_position_embeddings": WINDOW}, f"{KEY}.chunk_size (96) exceeds"),
+        ("dca", {"chunk_size": 5 * WINDOW}, f"dca: chunk_size ({KEY}.chunk_size) 320 exceeds the trained window {4 * WINDOW}"),
+        ("dca", {"local_size": 5 * WINDOW}, f"dca: local_size ({KEY}.local_size) must be between 1 and chunk_size - 1"),
+    ],
+)
+def test_a_bad_dual_chunk_attention_config_is_refused_naming_config_json_and_the_key(method, stated, message):
+    assert_refused_unchanged(method, {"factor": 4}, re.escape(message), model=qwen_with(stated))
+
+
+@pytest.mark.parametrize(
+    "stated",
+    [
+        {"chunk_size": 48, "local_size": 4, "original_max_position_embeddings": WINDOW, "sparse_attention_enabled": True},
+        {"chunk_size": 40, "local_size": None},
+    ],
+)
+def test_an_accepted_dual_chunk_attention_config_saves_and_reloads(tmp_path, stated):
+    """A checkpoint whose config.json carries the setting (what Qwen2.5-1M ships) patches, saves
+    and reloads exactly."""
+    model = qwen_with(stated)
+    for layer in model.model.layers:  # norm weights away from 1, so that a lost scale shows
+        torch.nn.init.uniform_(layer.input_layernorm.weight, 0.5, 1.5)
+    model.save_pretrained(tmp_path / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32).eval()
+    assert_saves_reloads_and_unpatches(model, "dca", {"factor": 4}, random_ids(3 * WINDOW), tmp_path / "patched")

@@ -99,3 +99,45 @@ def test_the_fine_tune_config_takes_no_factor_where_the_method_needs_none(tmp_pa
     config.write_text(yaml.safe_dump({"patch": {"method": "self_extend", "factor": None, "params": {"group": 4}}}))
     cfg, _ = parse_args(["--config", str(config)])
     assert cfg["patch"] == {"method": "self_extend", "factor": None, "params": {"group": 4}}
+
+
+# A value other than the default for every parameter rope_ext.methods() lists (a parameter added
+# to a method adds one here)
+SET_TO = {
+    "causal": False,
+    "granularity": 2,
+    "logn": True,
+    "beta_fast": 16.0,
+    "beta_slow": 2.0,
+    "truncate": False,
+    "attention_factor": 1.2,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 8.0,
+    "rope": "yarn",
+    "w": 16,
+    "heads": [0, 1],
+    "slope_scale": 0.5,
+    "trainable": True,
+    "group": 8,
+    "window": 16,
+    "group_rule": "authors",
+    "leak": 8,
+    "shift": 24,
+    "local": 8,
+    "temperature": True,
+    "chunk_size": 48,
+    "local_size": 8,
+    "sinks": 2,
+}
+
+
+@pytest.mark.parametrize("name", list(rope_ext.methods()))
+def test_the_listing_shows_only_parameters_a_user_can_set(name):
+    """Every parameter rope_ext.methods() lists for a method takes a value other than its default:
+    rope_ext.patch applies it and describes the patch with it."""
+    listed = {key: default for key, default in rope_ext.methods()[name]["params"].items() if key != "factor"}
+    assert set(listed) <= set(SET_TO), sorted(set(listed) - set(SET_TO))
+    for key, default in listed.items():
+        assert SET_TO[key] != default
+        info = rope_ext.patch(random_model(), name, factor=4, **{key: SET_TO[key]})
+        assert info.params[key] == SET_TO[key], (key, info.params[key])

@@ -235,6 +235,8 @@ def test_what_factor_window_and_leak_mean(tiny_model):
         ({"factor": 4, "leak": "large"}, "leak must be None \\(ReRoPE\\), 'auto' or a number > 1, got 'large'"),
         ({"factor": 4, "leak": True}, "leak must be None"),
         ({"factor": 8, "leak": 4, "window": 32}, r"leak 4 with window 32 reaches 413 tokens, less than factor 8 x 128"),
+        # the leak as given, not rounded: a leak just above 1 is no "leak 1", which is refused
+        ({"factor": 4, "leak": 1.0000001, "window": 32}, r"leak 1\.0000001 with window 32 reaches 128 tokens"),
         ({"factor": 4, "window": 128}, "must be smaller than the trained window"),
         ({"factor": 4, "window": 127, "leak": "auto"}, "Leaky ReRoPE at window 127 reaches only 128 tokens"),
         ({"leak": 2, "window": 127}, "does not extend a 128-token window"),

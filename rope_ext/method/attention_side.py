@@ -58,6 +58,9 @@ class AttentionMethod(Method):
     switches: str | None = None
 
     backends: ClassVar[tuple[str, ...]] = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] masks the parts build
+    # The method chooses the keys each query attends by their positions, so it cannot honour a mask
+    # that hides keys (RotateInAttention.one_sequence): a model with sliding-window layers is refused.
+    chooses_keys: ClassVar[bool] = False
     transform: ClassVar[type] = RotateInAttention
     sizes: ClassVar[dict] = {}
 
@@ -106,6 +109,11 @@ class AttentionMethod(Method):
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         if facts.backend not in self.backends:
             raise ValueError(f"{self.name} runs on the {' or '.join(self.backends)} attention backend, not {facts.backend!r}")
+        if self.chooses_keys and (window := sliding_window(facts.config)) is not None:
+            raise ValueError(
+                f"{self.name}: the model's layers attend through a sliding window of {window} tokens (config sliding_window), "
+                f"which {self.name} cannot keep: it chooses the keys each query attends by their positions"
+            )
         return self.derive(facts, geometry, factor, params)
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
@@ -115,6 +123,17 @@ class AttentionMethod(Method):
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
         return [self.transform(rotary)]
+
+
+def sliding_window(config: dict) -> int | None:
+    """The window of the model's sliding-window layers, from transformers' config keys: its
+    `sliding_window`, used by the layers `layer_types` names "sliding_attention" or, in a config
+    without `layer_types` (Mistral, Mixtral), by every layer; None when every layer attends every
+    earlier key."""
+    window, layer_types = config.get("sliding_window"), config.get("layer_types")
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
 
 
 def default_window(window_tokens: int) -> int:

@@ -12,9 +12,12 @@ where c = chunk_size, and the three parts share one softmax. No relative distanc
 so with c at most the trained window L the model never sees a distance it was not trained on;
 nearby tokens keep their true distance up to local_size into the next chunk.
 
-A query at a position below c sees only distances below c, and the maps above give it its true
-distances: such queries attend with their own positions, exactly as the unpatched model (bit for
-bit). The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
+A query in the first two chunks at a position below c (i < min(c, 2s)) meets every key at its
+true distance through the maps above: such queries attend with their own positions, exactly as the
+unpatched model (bit for bit). With local_size > c / 2 (s < c / 2) the queries from 2s to c - 1
+already see keys two chunks back at the inter-chunk position c - 1, as the maps say.
+
+The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
 mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
 token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
 queries past the trained window (docs/logn.md).
@@ -28,11 +31,12 @@ is built.
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
 "dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
-trained window from original_max_position_embeddings (docs/dca.md).
+trained window from original_max_position_embeddings (docs/dca.md); `stated_sizes` checks each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -42,7 +46,7 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts
+from .base import ModelFacts, as_size
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
@@ -50,6 +54,37 @@ SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions i
 FORMULA = "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c-1) (previous chunk), c-1 (earlier); s = c - local"
 CONFIG_KEY = "dual_chunk_attention_config"  # Qwen2.5-1M's config.json
 LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice
+# The keys of CONFIG_KEY that rope-ext reads, with their smallest values; its other keys (Qwen's
+# settings of vLLM's sparse attention) configure nothing here.
+STATED = {"chunk_size": 2, "local_size": 1, "original_max_position_embeddings": 2}
+
+
+def stated_sizes(stated) -> dict:
+    """The sizes a config's `dual_chunk_attention_config` (`stated`, None when it has none)
+    states: {key: int} for the keys of STATED it sets; ValueError naming config.json and the key
+    for a value that is not a mapping, a size that is not an int in range, or sizes that do not
+    fit together."""
+    if stated is None:
+        return {}
+    if not isinstance(stated, Mapping):
+        raise ValueError(
+            f"config.json: {CONFIG_KEY} must be a mapping (chunk_size, local_size, original_max_position_embeddings), "
+            f"got {stated!r}"
+        )
+    sizes = {
+        key: as_size(stated[key], f"config.json: {CONFIG_KEY}.{key}", minimum)
+        for key, minimum in STATED.items()
+        if stated.get(key) is not None
+    }
+    chunk, local, window = (sizes.get(key) for key in STATED)
+    if chunk is not None and local is not None and local >= chunk:
+        raise ValueError(f"config.json: {CONFIG_KEY}.local_size ({local}) must be below {CONFIG_KEY}.chunk_size ({chunk})")
+    if chunk is not None and window is not None and chunk > window:
+        raise ValueError(
+            f"config.json: {CONFIG_KEY}.chunk_size ({chunk}) exceeds {CONFIG_KEY}.original_max_position_embeddings "
+            f"({window}): distances up to chunk_size - 1 must have been trained"
+        )
+    return sizes
 
 
 class DualChunkAttention(RotateInAttention):
@@ -72,7 +107,9 @@ class DualChunkAttention(RotateInAttention):
         span = chunk - local  # s: the chunk length
         inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
         positions = q_pos[:1]  # [1, Sq]
-        exact = int((positions[0] < chunk).sum())  # rows whose distances are all below chunk_size
+        # rows whose every key is in their chunk or the one before at its true distance (positions
+        # are consecutive, so these are the first rows)
+        exact = int((positions[0] < min(chunk, 2 * span)).sum())
         # One query row (a decode step) attends all its keys in one backend call, each key rotated
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in parts per chunk.
@@ -113,8 +150,10 @@ class DualChunkAttention(RotateInAttention):
     def _chunk_rows(self, query, keys, value, positions, first, n, span, chunk, inv_freq, scale, scaling):
         """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts, each
         a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
-        keys] tensor)."""
-        start = n * span - first  # key index where chunk n begins
+        keys] tensor). Key index k holds position first + k: keys before `first` (a forward whose
+        positions do not start at 0, without the cache of the earlier ones) are not there to attend."""
+        start = max(0, n * span - first)  # key index where chunk n begins
+        previous = max(0, (n - 1) * span - first)  # key index where chunk n - 1 begins
         lo = int(positions[0, 0]) - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
         within = positions % span
@@ -123,7 +162,6 @@ class DualChunkAttention(RotateInAttention):
         if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
             out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
             parts.append((out, lse, None))
-        previous = max(0, start - span)
         if start > previous:
             q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)
             out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
@@ -140,20 +178,27 @@ class DualChunkMethod(AttentionMethod):
     """dca as an AttentionMethod: chunk_size c and local_size, from the call, the checkpoint's
     dual_chunk_attention_config, or their defaults; the attention is `DualChunkAttention`."""
 
-    sizes: ClassVar[dict] = {"chunk_size": 1, "local_size": 1}
+    # chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
+    sizes: ClassVar[dict] = {"chunk_size": 2, "local_size": 1}
     transform: ClassVar[type] = DualChunkAttention
+    chooses_keys: ClassVar[bool] = True
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
-        stated = facts.config.get(CONFIG_KEY) or {}
+        stated = stated_sizes(facts.config.get(CONFIG_KEY))
         chunk = params["chunk_size"] or stated.get("chunk_size") or trained
         local = params["local_size"] or stated.get("local_size") or max(1, chunk // LOCAL_FRACTION)
+        source = {
+            key: key if params[key] else f"{key} (config.json: {CONFIG_KEY}.{key})" if key in stated else f"{key} (default)"
+            for key in ("chunk_size", "local_size")
+        }
         if chunk > trained:
             raise ValueError(
-                f"{NAME}: chunk_size {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 must have been trained"
+                f"{NAME}: {source['chunk_size']} {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 "
+                "must have been trained"
             )
         if not 0 < local < chunk:
-            raise ValueError(f"{NAME}: local_size must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
+            raise ValueError(f"{NAME}: {source['local_size']} must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
         return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
 
 

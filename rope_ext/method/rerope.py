@@ -138,7 +138,7 @@ class ReRoPEMethod(TwoPartMethod):
                 factor,
                 capacity(trained, window, leak),
                 trained,
-                f"leak {leak:g} with window {window}",
+                f"leak {leak!r} with window {window}",
                 f" (its largest distance w + (N - 1 - w)/k must stay within {trained - 1}); raise the leak, lower the "
                 f"window or the factor, or use leak={AUTO!r} or leak=None (ReRoPE)",
             )

@@ -178,6 +178,7 @@ class SinkWindowMethod(AttentionMethod):
 
     sizes: ClassVar[dict] = {"sinks": 0, "window": 1}
     transform: ClassVar[type] = SinkWindowAttention
+    chooses_keys: ClassVar[bool] = True
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained, sinks = geometry.original_window, params["sinks"]
