@@ -26,6 +26,7 @@ holds every key.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import GenerationMode
 
 from . import method as methods
 from .patching import installed_patch, installed_rotary
@@ -228,6 +230,15 @@ def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bo
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
+def _generation(model, generate_kwargs: dict) -> tuple[GenerationMode, int]:
+    """The mode generate will run for these arguments and the rows it makes of each prompt row
+    (beams, returned sequences), read from the generation config as generate reads it."""
+    config = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
+    config.update(**{key: value for key, value in generate_kwargs.items() if key != "generation_config"})
+    mode = config.get_generation_mode(generate_kwargs.get("assistant_model"))
+    return mode, max(config.num_beams or 1, config.num_return_sequences or 1)
+
+
 @torch.no_grad()
 def chunked_generate(
     model,
@@ -240,14 +251,32 @@ def chunked_generate(
 ) -> torch.Tensor:
     """`model.generate` for a long prompt: all but its last token are prefilled through the KV
     cache in chunks (chunked_forward), then generate continues from that cache, with any of its
-    options (`max_new_tokens`, `do_sample`, ...). Returns what generate returns (prompt included)."""
+    options (`max_new_tokens`, `do_sample`, `num_beams`, ...). Returns what generate returns
+    (prompt included).
+
+    Beam search and several returned sequences get the cache repeated for each row generate makes
+    of a prompt row. Assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`, ...) is
+    refused: generate's first assisted forward runs over the whole prompt on top of the cache it
+    is given, so a prefilled prompt would be read twice."""
     input_ids = _check(input_ids, chunk_size)
     if "cache" in generate_kwargs or "past_key_values" in generate_kwargs:
         raise ValueError("chunked_generate builds its own cache; do not pass one")
+    mode, rows = _generation(model, generate_kwargs)
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            "chunked_generate does not run assisted decoding (assistant_model, prompt_lookup_num_tokens, "
+            "assistant_early_exit, use_mtp): transformers' first assisted forward runs over the whole prompt on top "
+            "of the cache it is given, so the prefilled prompt would be read twice; call model.generate for it"
+        )
     cache = None
     if input_ids.shape[1] > 1:
         head_mask = None if attention_mask is None else attention_mask[:, :-1]
         _, cache = chunked_forward(
             model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False, progress=progress
         )
+        if rows > 1:  # generate repeats each prompt row (input_ids, mask) but not a cache it is given
+            cache.batch_repeat_interleave(rows)
+            rotary = installed_rotary(model) if _patch(model) is not None else None
+            if rotary is not None:
+                rotary.repeat_positions(cache, rows)
     return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

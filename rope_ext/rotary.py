@@ -133,6 +133,13 @@ class DynamicRotation:
         if positions is not None:
             self.positions.set(target, positions[..., :length])
 
+    def repeat_positions(self, cache, repeats: int) -> None:
+        """Each row of `cache` was repeated `repeats` times in place (Cache.batch_repeat_interleave):
+        so are its keys' positions."""
+        positions = self.positions.get(cache)
+        if positions is not None:
+            self.positions.set(cache, positions.repeat_interleave(repeats, dim=0))
+
 
 class ExtendedRotaryEmbedding(nn.Module):
     """Drop-in for a transformers rotary module: `forward(x, position_ids) -> (cos, sin)`.
@@ -207,6 +214,10 @@ class ExtendedRotaryEmbedding(nn.Module):
         """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it
         gets their positions, so later forwards can rotate them."""
         self.rotation.copy_positions(source, target, length)
+
+    def repeat_positions(self, cache, repeats: int) -> None:
+        """Each row of `cache` was repeated `repeats` times (beam search from a prefilled cache)."""
+        self.rotation.repeat_positions(cache, repeats)
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())

@@ -9,6 +9,8 @@ from transformers import DynamicCache
 import rope_ext
 from rope_ext import chunked
 
+from helpers import load_llama
+
 
 @torch.no_grad()
 def decode_logits(model, ids, prefill):
@@ -162,3 +164,46 @@ def test_copy_prefix_refuses_what_it_cannot_copy(tiny_model, heldout_ids):
     _, bounded = chunked.chunked_forward(tiny_model, ids, chunk_size=50)
     with pytest.raises(ValueError, match="keeps every key, got SinkWindowCache"):
         rope_ext.copy_prefix(tiny_model, bounded, 10)
+
+
+@pytest.mark.parametrize("method", [None, "dynamic", "self_extend"])
+@pytest.mark.parametrize("assist", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_chunked_generate_refuses_assisted_decoding(tiny_model, tiny_path, heldout_ids, method, assist):
+    """transformers' assisted decoding runs its first forward over the whole prompt and the
+    candidates on top of the cache it is given, so after a chunked prefill it would read the prompt
+    twice (measured: 22 to 26 of 30 greedy tokens differ from generate's)."""
+    if method is not None:
+        rope_ext.patch(tiny_model, method, factor=4)
+    options = {"assistant_model": load_llama(tiny_path)} if assist == "assistant_model" else {assist: 3}
+    prompt = heldout_ids[None, :150]
+    with pytest.raises(ValueError, match="assisted decoding"):
+        chunked.chunked_generate(tiny_model, prompt, chunk_size=40, max_new_tokens=5, do_sample=False, **options)
+
+
+@pytest.mark.filterwarnings("ignore:rope_ext. dynamic re-scales")
+@pytest.mark.parametrize(
+    "method, params", [(None, {}), ("yarn", {}), ("dynamic", {}), ("self_extend", {}), ("dca", {}), ("sink_window", {})]
+)
+def test_chunked_generate_with_beams_equals_generate(tiny_model, heldout_ids, method, params):
+    if method is not None:
+        rope_ext.patch(tiny_model, method, factor=4, **params)
+    window = tiny_model.config.max_position_embeddings
+    prompt = heldout_ids[None, : window + 30]
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, num_beams=3, num_return_sequences=2)
+    with torch.no_grad():
+        expected = tiny_model.generate(prompt, **settings)
+    assert expected.shape[0] == 2
+    assert torch.equal(chunked.chunked_generate(tiny_model, prompt, chunk_size=40, **settings), expected)
+
+
+def test_chunked_generate_with_beams_on_a_padded_batch_equals_generate(tiny_model, heldout_ids):
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=40)
+    window = tiny_model.config.max_position_embeddings
+    long, short = heldout_ids[: window + 30], heldout_ids[3000 : 3000 + window - 20]
+    batch = torch.zeros((2, len(long)), dtype=torch.long)
+    batch[0], batch[1, -len(short) :] = long, short
+    mask = (torch.arange(len(long))[None] >= torch.tensor([[0], [len(long) - len(short)]])).long()
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, num_beams=2)
+    with torch.no_grad():
+        expected = tiny_model.generate(batch, **settings)
+    assert torch.equal(chunked.chunked_generate(tiny_model, batch, chunk_size=40, **settings), expected)
