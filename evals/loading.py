@@ -10,6 +10,7 @@ from pathlib import Path
 import rope_ext
 from rope_ext import method as registry
 from rope_ext.arguments import AUTO, DTYPES, PLAIN
+from rope_ext.chunked import chunking_refusal
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 from rope_ext.patching import installed_patch
@@ -221,6 +222,11 @@ def check_model_args(args) -> dict:
         as_size(args.original_window, "--original-window")
     if args.chunk_size is not None:
         as_size(args.chunk_size, "--chunk-size")
+        if args.method not in (None, PLAIN):
+            spec, _, checked = registry.check(args.method, args.factor, params)
+            reason = chunking_refusal(spec, checked)
+            if reason is not None:
+                raise ValueError(f"--chunk-size: {reason}")
     check_model(args.model, args.device)
     return params
 

@@ -15,7 +15,10 @@ same as one forward and as token-by-token decoding. Under the causal schedule ea
 scaling for the length it has seen; patch with `granularity=chunk_size` to give each chunk one
 scaling, the length at its end ("dynamic scaling per chunk"), when the chunk size divides the
 original window. That is also what keeps it fast: queries with different scalings are attended in
-separate groups, one per scaling. With the
+separate groups, one per scaling. With causal=False every query of a forward takes the scaling of
+that forward's longest position, so chunks past the trained window would each be scaled for their
+own end: such an input is refused (`chunking_refusal`), and one chunk or an input inside the window
+is exact. With the
 unpatched model or a static method, the chunks give the numbers of a single forward too (the
 cached keys carry their final rotation).
 
@@ -110,6 +113,28 @@ def copy_prefix(model, cache, length: int):
     return copy
 
 
+def chunking_refusal(method, params: dict) -> str | None:
+    """Why an input split across forwards past the trained window (chunks, a prefill apart from
+    the last prompt token) cannot give the numbers of one forward under the method `method` bound
+    to `params`, or None."""
+    if method.follows_length and params.get("causal", True) is False:
+        return (
+            f"{method.name} with causal=False scales every query of a forward for that forward's longest position, "
+            "so an input split into chunks past the trained window is scaled for each chunk's end, not for the "
+            "whole input; run it in one forward, or patch with causal=True (the default), whose chunks are exact"
+        )
+    return None
+
+
+def _refuse_split(model, end: int) -> None:
+    """ValueError when the patch's scaling cannot be split across forwards (chunking_refusal) and
+    the `end` positions of the input reach past the trained window."""
+    patch = _patch(model)
+    reason = None if patch is None else chunking_refusal(*patch)
+    if reason is not None and end > installed_patch(model).original_window:
+        raise ValueError(reason)
+
+
 def _warn_slow_schedule(model, chunk_size: int) -> None:
     """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
     patch = _patch(model)
@@ -152,11 +177,13 @@ def chunked_forward(
         raise ValueError(
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
+    cache = new_cache(model) if cache is None else cache
+    past = cache.get_seq_length()
+    if past or length > chunk_size:
+        _refuse_split(model, past + length)
     _warn_slow_schedule(model, chunk_size)
     decoder = model.get_decoder()
     device = model.get_input_embeddings().weight.device
-    cache = new_cache(model) if cache is None else cache
-    past = cache.get_seq_length()
     if attention_mask is not None:
         if past:
             raise ValueError("attention_mask (padding) is supported from an empty cache only")
@@ -268,6 +295,8 @@ def chunked_generate(
             "assistant_early_exit, use_mtp): transformers' first assisted forward runs over the whole prompt on top "
             "of the cache it is given, so the prefilled prompt would be read twice; call model.generate for it"
         )
+    if input_ids.shape[1] > 1:
+        _refuse_split(model, input_ids.shape[1])
     cache = None
     if input_ids.shape[1] > 1:
         head_mask = None if attention_mask is None else attention_mask[:, :-1]

@@ -8,8 +8,10 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext import chunked
+from rope_ext.method import REGISTRY
+from rope_ext.method.alibi_hybrid import ROPE_METHODS
 
-from helpers import load_llama
+from helpers import cli_error_line, load_llama
 
 
 @torch.no_grad()
@@ -207,3 +209,37 @@ def test_chunked_generate_with_beams_on_a_padded_batch_equals_generate(tiny_mode
     with torch.no_grad():
         expected = tiny_model.generate(batch, **settings)
     assert torch.equal(chunked.chunked_generate(tiny_model, batch, chunk_size=40, **settings), expected)
+
+
+# every method whose frequencies follow the length, alibi_hybrid with each such rope among them
+FOLLOWS_LENGTH = [(name, {}) for name, m in REGISTRY.items() if m.follows_length] + [
+    ("alibi_hybrid", {"rope": rope}) for rope, m in ROPE_METHODS.items() if m.follows_length
+]
+
+
+@pytest.mark.parametrize("method, params", FOLLOWS_LENGTH)
+def test_chunks_past_the_window_are_refused_with_causal_false(tiny_model, heldout_ids, method, params):
+    """With causal=False every query of a forward is scaled for that forward's longest position, so
+    chunks are each scaled for their own end: dynamic's perplexity on the first 256 held-out tokens
+    is 88.39 in 32-token chunks, 92.32 in one forward. One chunk, or everything inside the window,
+    is exact."""
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, method, factor=4, causal=False, **params)
+    ids = heldout_ids[: 2 * window]
+    with pytest.raises(ValueError, match="causal=False"):
+        chunked.chunked_nll(tiny_model, ids, chunk_size=32)
+    with pytest.raises(ValueError, match="causal=False"):
+        chunked.chunked_generate(tiny_model, ids[None], chunk_size=2 * window, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        reference = F.cross_entropy(tiny_model(ids[None]).logits[0, :-1], ids[1:], reduction="none").double()
+        inside = F.cross_entropy(tiny_model(ids[None, :window]).logits[0, :-1], ids[1:window], reduction="none").double()
+    assert (chunked.chunked_nll(tiny_model, ids, chunk_size=2 * window) - reference).abs().max() <= 1e-4
+    assert (chunked.chunked_nll(tiny_model, ids[:window], chunk_size=32) - inside).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("command", ["ppl", "passkey"])
+def test_the_evals_refuse_causal_false_chunks_before_the_model_loads(no_model, tmp_path, capsys, command):
+    argv = ["eval", command, "--method", "dynamic", "--factor", "4", "--param", "causal=False", "--chunk-size", "64"]
+    if command == "ppl":
+        argv += ["--lengths", "64"]
+    assert "--chunk-size: dynamic with causal=False" in cli_error_line([*argv, "--output", str(tmp_path / "o")], capsys)
