@@ -201,6 +201,11 @@ class ExtendedRotaryEmbedding(nn.Module):
         shape = (*q_pos.shape, self.geometry.rotary_dim)
         return x.new_ones(shape), x.new_zeros(shape)
 
+    @property
+    def pending_cache(self):
+        """The cache the running forward extends (set by before_forward, dropped by after_forward)."""
+        return self._pending_cache
+
     def before_forward(self, cache) -> None:
         """Called by a pre-forward hook on the decoder: the cache this forward will extend."""
         self._pending_cache = cache
