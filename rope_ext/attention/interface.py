@@ -118,10 +118,12 @@ class AttentionChain:
             raise ValueError("an attention chain needs at least one transform")
         self.transforms = tuple(transforms)
         self._hooks: list = []
+        self.method = None
 
     def attach(self, site, method: str) -> None:
         """Let each transform add what it keeps on the model. Every chain needs the positions of
         the cached keys, which a static cache does not give: such a cache is refused."""
+        self.method = method
         for transform in self.transforms:
             transform.attach(site)
         self._hooks = [site.decoder.register_forward_pre_hook(refuse_static_cache(method), with_kwargs=True)]
@@ -134,9 +136,19 @@ class AttentionChain:
             transform.detach(site)
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        """(output, weights): the weights where the backend gives them and the chain keeps one
+        softmax per row; asked for (output_attentions) where it has none, a ValueError, since
+        transformers would return an empty tuple without a word."""
         for transform in reversed(self.transforms):
             attend = _bind(transform, attend)
-        return attend(module, query, key, value, attention_mask, **kwargs)
+        out, weights = attend(module, query, key, value, attention_mask, **kwargs)
+        if weights is None and kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+            raise ValueError(
+                f"output_attentions=True: {self.method} under rope-ext returns no attention weights here: methods that "
+                "merge one softmax from several attention calls have none, and the others have them on the eager "
+                "backend only (model.set_attn_implementation('eager')); call the model without output_attentions"
+            )
+        return out, weights
 
 
 def _bind(transform: AttentionTransform, attend: Callable) -> Callable:
