@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from . import method as methods
 from .geometry import RotaryGeometry
 from .method.base import SCHEDULE_PARAMS, Method
 from .rotation import RotationFrame, cos_sin
@@ -40,6 +41,18 @@ def position_geometry(geometry: RotaryGeometry, ratio: float) -> RotaryGeometry:
     return replace(geometry, original_window=int(window) if window.is_integer() else window)
 
 
+class PositionRatio:
+    """The frequency function of a method in a checkpoint's position units (with_position_ratio)."""
+
+    def __init__(self, frequencies, ratio: float):
+        self.frequencies, self.ratio = frequencies, ratio
+
+    def __call__(self, geom: RotaryGeometry, seq_len: int | None = None, *, factor, **params):
+        length = None if seq_len is None else math.ceil(seq_len / self.ratio)
+        inv_freq, scale = self.frequencies(position_geometry(geom, self.ratio), length, factor=factor, **params)
+        return inv_freq / self.ratio, scale
+
+
 def with_position_ratio(method: Method, ratio: float) -> Method:
     """`method` on a checkpoint trained with its positions divided by `ratio` (a linear scaling it
     keeps under the patch): the method's frequencies in the checkpoint's position units, divided
@@ -47,14 +60,19 @@ def with_position_ratio(method: Method, ratio: float) -> Method:
     the length, rounded up, so that their schedule moves in steps of `ratio` tokens."""
     if ratio == 1:
         return method
-    frequencies = method.fn
+    return replace(method, fn=PositionRatio(method.fn, ratio))
 
-    def fn(geom: RotaryGeometry, seq_len: int | None = None, *, factor, **params):
-        length = None if seq_len is None else math.ceil(seq_len / ratio)
-        inv_freq, scale = frequencies(position_geometry(geom, ratio), length, factor=factor, **params)
-        return inv_freq / ratio, scale
 
-    return replace(method, fn=fn)
+def method_reference(method: Method) -> tuple[str, float]:
+    """(name, position ratio): what `referenced_method` rebuilds `method` from. A Method holds
+    functions that pickle does not take (lambdas, closures), so a patched model pickles this."""
+    return method.name, method.fn.ratio if isinstance(method.fn, PositionRatio) else 1.0
+
+
+def referenced_method(reference: tuple[str, float], params: dict) -> Method:
+    """The method `method_reference` named, bound to `params` as the patch bound it."""
+    name, ratio = reference
+    return with_position_ratio(methods.get(name, params), ratio)
 
 
 class KeyPositions:
@@ -166,6 +184,16 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
         self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
         self._pending_cache = None
+
+    def __getstate__(self):
+        # pickled by torch.save(model): the method by its name; the rotation engine holds what
+        # each forward leaves (the positions of each cache's keys, weakly; the frame), not state
+        state = {k: v for k, v in self.__dict__.items() if k not in ("rotation", "_pending_cache")}
+        return {**state, "method": method_reference(self.method)}
+
+    def __setstate__(self, state):
+        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"]), "_pending_cache": None})
+        self.rotation = DynamicRotation(self.method, self.factor, self.params, self.geometry, self.inv_freq.device)
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts buffers too; angles must stay fp32, so recompute the

@@ -3,12 +3,19 @@ refused with the reason, and a patched model survives torch.save."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext import chunked
+from rope_ext.method import REGISTRY
 from rope_ext.method.sink_window import SinkWindowCache
+
+from helpers import load_llama
 
 
 @pytest.mark.parametrize("method, params", [(None, {}), ("dynamic", {}), ("sink_window", {"sinks": 2, "window": 60})])
@@ -71,3 +78,75 @@ def test_output_attentions_of_the_rotation_inside_attention_are_its_weights(tiny
         for k, step in enumerate(steps):
             t = ids.shape[1] - 5 + k
             assert (step[layer][:, :, 0] - weights[:, :, t, : t + 1]).abs().max() <= 1e-5
+
+
+# every method, alibi_hybrid with a rope that rotates inside attention too
+PICKLED = [(name, {}) for name in REGISTRY] + [("alibi_hybrid", {"rope": "dynamic"})]
+
+
+def test_a_patched_model_survives_torch_save_and_load_in_a_new_process(tiny_path, heldout_ids, tmp_path):
+    """torch.save pickles the whole model: the state a patch keeps per forward (the positions of
+    each cache's keys, the frame) is dropped, the method is saved by its name, and a new process
+    finds the attention wrapper registered on the first forward. rope-ext itself never unpickles;
+    this test does, as users who torch.load a model they saved do."""
+    window = 128
+    ids = heldout_ids[None, : 2 * window]
+    expected = {}
+    for index, (method, params) in enumerate(PICKLED):
+        model = load_llama(tiny_path)
+        rope_ext.patch(model, method, factor=4, **params)
+        with torch.no_grad():
+            model(ids[:, :40], cache=chunked.new_cache(model), use_cache=True)  # leaves per-forward state behind
+            expected[index] = model(ids).logits
+        torch.save(model, tmp_path / f"{index}.pt")
+    again = torch.load(tmp_path / "0.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, expected[0])
+    torch.save(ids, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        f"folder, count = sys.argv[1], {len(PICKLED)}\n"
+        "ids = torch.load(f'{folder}/ids.pt')\n"
+        "out = {}\n"
+        "for index in range(count):\n"
+        "    model = torch.load(f'{folder}/{index}.pt', weights_only=False)\n"
+        "    with torch.no_grad():\n"
+        "        out[index] = model(ids).logits\n"
+        "torch.save(out, f'{folder}/logits.pt')\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
+    loaded = torch.load(tmp_path / "logits.pt")
+    for index, (method, params) in enumerate(PICKLED):
+        assert torch.equal(loaded[index], expected[index]), (method, params)
+
+
+def test_a_method_on_a_linear_scaled_checkpoint_keeps_its_position_ratio_through_torch_save(tmp_path):
+    """A GLM checkpoint with a linear scaling is patched on top of it (rope_ext.rotary.
+    with_position_ratio); the reloaded method is rebuilt with the same ratio."""
+    config = AutoConfig.for_model(
+        "glm",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    rope_ext.patch(model, "dynamic", factor=2, granularity=4)
+    ids = torch.randint(0, 97, (1, 200))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save(model, tmp_path / "glm.pt")
+    again = torch.load(tmp_path / "glm.pt", weights_only=False)
+    assert again.model.rotary_emb.method.fn.ratio == 4.0
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, expected)

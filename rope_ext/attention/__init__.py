@@ -6,12 +6,12 @@ working for every X of the three."""
 from .interface import (
     PREFIX,
     AttentionChain,
+    BeforeDecoder,
     AttentionTransform,
     FlashView,
     StaticCacheError,
     backend,
     base_name,
-    refuse_static_cache,
     registered_name,
 )
 from .parts import (
@@ -29,12 +29,12 @@ from .rotate import RotateInAttention
 __all__ = [
     "PREFIX",
     "AttentionChain",
+    "BeforeDecoder",
     "AttentionTransform",
     "FlashView",
     "StaticCacheError",
     "backend",
     "base_name",
-    "refuse_static_cache",
     "registered_name",
     "SCORE_BYTES",
     "attend_with_lse",

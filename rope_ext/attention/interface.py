@@ -31,18 +31,25 @@ class StaticCacheError(ValueError, RuntimeError):
     cache hands attention its whole allocation, not the keys that were written."""
 
 
-def refuse_static_cache(method: str) -> Callable:
-    """A forward pre-hook for the decoder that raises StaticCacheError on a static cache."""
+class BeforeDecoder:
+    """The forward pre-hook an attention chain puts on the decoder: raises StaticCacheError on a
+    static cache, and registers the rope-ext wrapper the config names where this process has not
+    (a patched model that torch.load unpickled in a new process). An object, not a closure, so
+    that a patched model pickles."""
 
-    def hook(module, args, kwargs):
+    def __init__(self, method: str):
+        self.method = method
+
+    def __call__(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if getattr(cache, "is_compileable", False):
             raise StaticCacheError(
-                f"{method}: pre-allocated (static) KV caches are not supported, because the patch needs each "
+                f"{self.method}: pre-allocated (static) KV caches are not supported, because the patch needs each "
                 "key's position; use the default DynamicCache"
             )
-
-    return hook
+        name = module.config._attn_implementation
+        if name.startswith(PREFIX) and name not in ALL_ATTENTION_FUNCTIONS:
+            registered_name(base_name(name))
 
 
 def backend(module: torch.nn.Module, name: str) -> Callable:
@@ -126,7 +133,7 @@ class AttentionChain:
         self.method = method
         for transform in self.transforms:
             transform.attach(site)
-        self._hooks = [site.decoder.register_forward_pre_hook(refuse_static_cache(method), with_kwargs=True)]
+        self._hooks = [site.decoder.register_forward_pre_hook(BeforeDecoder(method), with_kwargs=True)]
 
     def detach(self, site) -> None:
         for handle in self._hooks:
