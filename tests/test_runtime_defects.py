@@ -14,6 +14,8 @@ import rope_ext
 from rope_ext import chunked
 from rope_ext.method import REGISTRY
 from rope_ext.method.sink_window import SinkWindowCache
+from rope_ext.training.checks import check_parallelism
+from rope_ext.training.config import ConfigError, parse_args
 
 from helpers import load_llama
 
@@ -150,3 +152,20 @@ def test_a_method_on_a_linear_scaled_checkpoint_keeps_its_position_ratio_through
     assert again.model.rotary_emb.method.fn.ratio == 4.0
     with torch.no_grad():
         assert torch.equal(again(ids).logits, expected)
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "ntk"])
+def test_shifted_sparse_attention_is_refused_for_a_method_that_runs_inside_attention(rope):
+    """alibi_hybrid adds its bias inside attention, and with rope=dynamic rotates there too; the
+    check read the registry's alibi_hybrid (rope=ntk, static rotation) and let it through to
+    training, where the switch to S²-attention failed with the backend's error."""
+    argv = ["--method", "alibi_hybrid", "--factor", "4", "--param", f"rope={rope}", "--s2-groups", "2"]
+    with pytest.raises(ConfigError, match="training.s2_groups.*alibi_hybrid"):
+        parse_args(argv)
+
+
+def test_context_parallelism_is_refused_for_a_rotation_inside_attention():
+    cfg, _ = parse_args(["--method", "alibi_hybrid", "--factor", "4", "--param", "rope=dynamic"])
+    cfg["model"]["attn_implementation"] = "sdpa"
+    with pytest.raises(ConfigError, match="context parallelism supports static methods"):
+        check_parallelism(cfg, 2)
