@@ -42,6 +42,7 @@ from transformers.generation import GenerationMode
 
 from . import method as methods
 from .patching import installed_patch, installed_rotary
+from .saving import check_adapter_base
 
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
 
@@ -172,6 +173,7 @@ def chunked_forward(
     `new_cache`). `on_chunk(start, hidden_chunk)` is called after each chunk, e.g. to score it and
     let it go (chunked_nll)."""
     input_ids = _check(input_ids, chunk_size)
+    check_adapter_base(model)
     batch, length = input_ids.shape
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
@@ -286,6 +288,7 @@ def chunked_generate(
     refused: generate's first assisted forward runs over the whole prompt on top of the cache it
     is given, so a prefilled prompt would be read twice."""
     input_ids = _check(input_ids, chunk_size)
+    check_adapter_base(model)
     if "cache" in generate_kwargs or "past_key_values" in generate_kwargs:
         raise ValueError("chunked_generate builds its own cache; do not pass one")
     mode, rows = _generation(model, generate_kwargs)

@@ -8,12 +8,14 @@ import sys
 
 import pytest
 import torch
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext import chunked
 from rope_ext.method import REGISTRY
 from rope_ext.method.sink_window import SinkWindowCache
+from rope_ext.saving import save_record
 from rope_ext.training.checks import check_parallelism
 from rope_ext.training.config import ConfigError, parse_args
 
@@ -169,3 +171,40 @@ def test_context_parallelism_is_refused_for_a_rotation_inside_attention():
     cfg["model"]["attn_implementation"] = "sdpa"
     with pytest.raises(ConfigError, match="context parallelism supports static methods"):
         check_parallelism(cfg, 2)
+
+
+def _yarn_adapter_folder(tiny_path, out):
+    """A fine-tune folder as the recipe writes it for yarn (native rope_parameters): the adapter,
+    its config naming out/base, rope_ext_finetune.json. The LoRA weights are perturbed from their
+    zero init so that the adapter changes the logits."""
+    model = load_llama(tiny_path)
+    rope_ext.patch(model, "yarn", factor=4)
+    tuned = get_peft_model(model, LoraConfig(r=4, target_modules=rope_ext.lora_targets(model)))
+    with torch.no_grad():
+        for name, parameter in tuned.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    tuned.save_pretrained(out)
+    save_record(out, str(tiny_path), tuned)
+
+
+def test_an_adapter_on_a_base_loaded_by_its_original_name_is_refused(tiny_path, heldout_ids, tmp_path):
+    """peft's PeftModel.from_pretrained(<the base by its original name>, out) attaches the adapter
+    to the unpatched base without a word; rope-ext's check (and every chunked call) refuses it,
+    and passes the loads that give the fine-tune."""
+    out = tmp_path / "run"
+    _yarn_adapter_folder(tiny_path, out)
+    by_name = PeftModel.from_pretrained(load_llama(tiny_path), str(out))
+    ids = heldout_ids[None, :512]
+    with pytest.raises(ValueError, match="patched base"):
+        rope_ext.check_adapter_base(by_name)
+    with pytest.raises(ValueError, match="patched base"):
+        chunked.chunked_nll(by_name, ids[0], chunk_size=256)
+    expected = rope_ext.from_pretrained(out)
+    with torch.no_grad():
+        gap = (by_name(ids).logits - expected(ids).logits).abs().max().item()
+    assert gap > 1, gap
+    for model in (expected, AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()):
+        rope_ext.check_adapter_base(model)
+        with torch.no_grad():
+            assert (model(ids).logits - expected(ids).logits).abs().max() <= 1e-5
