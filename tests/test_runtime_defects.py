@@ -48,7 +48,10 @@ def test_a_sink_window_cache_serves_the_patch_it_was_made_for(tiny_model, heldou
 SPLIT_SOFTMAX = ["self_extend", "rerope", "string", "dca", "sink_window"]
 
 
-@pytest.mark.parametrize("method, attn", [*((m, "eager") for m in SPLIT_SOFTMAX), ("dynamic", "sdpa"), ("self_extend", "sdpa")])
+@pytest.mark.parametrize(
+    "method, attn",
+    [*((m, "eager") for m in SPLIT_SOFTMAX), ("dynamic", "sdpa"), ("self_extend", "sdpa"), ("alibi_hybrid", "sdpa")],
+)
 def test_output_attentions_is_refused_where_the_patch_has_no_weights(tiny_model, heldout_ids, method, attn):
     """Methods that merge one softmax from several calls have no weights to return, nor has a
     backend that computes none; the model returned an empty tuple without a word."""
@@ -59,12 +62,12 @@ def test_output_attentions_is_refused_where_the_patch_has_no_weights(tiny_model,
         tiny_model(heldout_ids[None, : 2 * window], output_attentions=True)
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
-def test_output_attentions_of_the_rotation_inside_attention_are_its_weights(tiny_model, heldout_ids, method):
+@pytest.mark.parametrize("method, params", [("dynamic", {}), ("dynamic_yarn", {}), ("alibi_hybrid", {"rope": "dynamic"})])
+def test_output_attentions_of_the_rotation_inside_attention_are_its_weights(tiny_model, heldout_ids, method, params):
     """Past the window the causal schedule attends in groups of rows; the weights gathered from the
     groups are those each row has when decoded alone (one call through eager)."""
     tiny_model.set_attn_implementation("eager")
-    rope_ext.patch(tiny_model, method, factor=4, granularity=8)
+    rope_ext.patch(tiny_model, method, factor=4, granularity=8, **params)
     window = tiny_model.config.max_position_embeddings
     ids = heldout_ids[None, : 2 * window]
     with torch.no_grad():
