@@ -298,10 +298,9 @@ def chunked_generate(
             "assistant_early_exit, use_mtp): transformers' first assisted forward runs over the whole prompt on top "
             "of the cache it is given, so the prefilled prompt would be read twice; call model.generate for it"
         )
-    if input_ids.shape[1] > 1:
-        _refuse_split(model, input_ids.shape[1])
     cache = None
     if input_ids.shape[1] > 1:
+        _refuse_split(model, input_ids.shape[1])  # the last prompt token is generate's first forward
         head_mask = None if attention_mask is None else attention_mask[:, :-1]
         _, cache = chunked_forward(
             model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False, progress=progress

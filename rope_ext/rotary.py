@@ -14,6 +14,9 @@ rotates queries and all keys with the frequencies of the current length at every
 forward and token-by-token decoding then see the same angles for every key, in any dtype.
 `DynamicRotation` is that engine: which positions the keys of each KV cache have (through crops,
 copies and assisted decoding) and the causal schedule, as one `RotationFrame` per forward.
+
+A patched model pickles (torch.save): the module keeps its method by name and position ratio
+(`method_reference`; a Method holds lambdas and closures) and drops what each forward leaves.
 """
 
 from __future__ import annotations

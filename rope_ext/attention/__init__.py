@@ -6,8 +6,8 @@ working for every X of the three."""
 from .interface import (
     PREFIX,
     AttentionChain,
-    BeforeDecoder,
     AttentionTransform,
+    BeforeDecoder,
     FlashView,
     StaticCacheError,
     backend,
@@ -29,8 +29,8 @@ from .rotate import RotateInAttention
 __all__ = [
     "PREFIX",
     "AttentionChain",
-    "BeforeDecoder",
     "AttentionTransform",
+    "BeforeDecoder",
     "FlashView",
     "StaticCacheError",
     "backend",
