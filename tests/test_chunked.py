@@ -237,9 +237,12 @@ def test_chunks_past_the_window_are_refused_with_causal_false(tiny_model, heldou
     assert (chunked.chunked_nll(tiny_model, ids[:window], chunk_size=32) - inside).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("command", ["ppl", "passkey"])
+@pytest.mark.parametrize("command", ["ppl", "passkey", "compare"])
 def test_the_evals_refuse_causal_false_chunks_before_the_model_loads(no_model, tmp_path, capsys, command):
-    argv = ["eval", command, "--method", "dynamic", "--factor", "4", "--param", "causal=False", "--chunk-size", "64"]
+    if command == "compare":
+        argv = ["compare", "--methods", "plain", "yarn", "dynamic:causal=false", "--chunk-size", "64"]
+    else:
+        argv = ["eval", command, "--method", "dynamic", "--factor", "4", "--param", "causal=False", "--chunk-size", "64"]
     if command == "ppl":
         argv += ["--lengths", "64"]
     assert "--chunk-size: dynamic with causal=False" in cli_error_line([*argv, "--output", str(tmp_path / "o")], capsys)
