@@ -200,6 +200,8 @@ def check(args: argparse.Namespace):
     runs = parse_specs(args.methods or default_methods(), args.param)
     for _, method, params in runs:
         loading.check_method(method, None if method == loading.PLAIN else args.factor or 2.0, params)
+        if args.chunk_size is not None:
+            loading.check_chunking(method, args.factor or 2.0, params)
     perplexity.check_windows(args.lengths, args.stride, args.bucket)
     if not args.no_passkey:
         passkey.check_grid(args.passkey_lengths, args.passkey_depths, args.passkey_trials, args.max_new_tokens)

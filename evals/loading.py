@@ -10,6 +10,7 @@ from pathlib import Path
 import rope_ext
 from rope_ext import method as registry
 from rope_ext.arguments import AUTO, DTYPES, PLAIN
+from rope_ext.chunked import chunking_refusal
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 from rope_ext.patching import installed_patch
@@ -212,6 +213,17 @@ def describe_setup(model, info, method: str, params: dict, chunk_size: int | Non
     }
 
 
+def check_chunking(method: str | None, factor, params: dict) -> None:
+    """ValueError when the method spec scales an input as a whole, so that --chunk-size cannot
+    give its numbers (rope_ext.chunked.chunking_refusal); for a spec check_method passed."""
+    if method in (None, PLAIN):
+        return
+    spec, _, checked = registry.check(method, factor, params)
+    reason = chunking_refusal(spec, checked)
+    if reason is not None:
+        raise ValueError(f"--chunk-size: {reason}")
+
+
 def check_model_args(args) -> dict:
     """The method parameters of the arguments rope_ext.arguments.model_arguments added, after checking every one
     of them; call it before model_from_args."""
@@ -221,6 +233,7 @@ def check_model_args(args) -> dict:
         as_size(args.original_window, "--original-window")
     if args.chunk_size is not None:
         as_size(args.chunk_size, "--chunk-size")
+        check_chunking(args.method, args.factor, params)
     check_model(args.model, args.device)
     return params
 

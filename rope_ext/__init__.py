@@ -23,6 +23,7 @@ _API = {
     "unpatch": ("patching", "unpatch"),
     "from_pretrained": ("saving", "from_pretrained"),
     "load_finetuned": ("saving", "load_finetuned"),
+    "check_adapter_base": ("saving", "check_adapter_base"),
     "chunked_forward": ("chunked", "chunked_forward"),
     "chunked_generate": ("chunked", "chunked_generate"),
     "copy_prefix": ("chunked", "copy_prefix"),

@@ -15,7 +15,10 @@ same as one forward and as token-by-token decoding. Under the causal schedule ea
 scaling for the length it has seen; patch with `granularity=chunk_size` to give each chunk one
 scaling, the length at its end ("dynamic scaling per chunk"), when the chunk size divides the
 original window. That is also what keeps it fast: queries with different scalings are attended in
-separate groups, one per scaling. With the
+separate groups, one per scaling. With causal=False every query of a forward takes the scaling of
+that forward's longest position, so chunks past the trained window would each be scaled for their
+own end: such an input is refused (`chunking_refusal`), and one chunk or an input inside the window
+is exact. With the
 unpatched model or a static method, the chunks give the numbers of a single forward too (the
 cached keys carry their final rotation).
 
@@ -26,6 +29,7 @@ holds every key.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
@@ -34,9 +38,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+from transformers.generation import GenerationMode
 
 from . import method as methods
 from .patching import installed_patch, installed_rotary
+from .saving import check_adapter_base
 
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits computed at once: 128 MiB
 
@@ -108,6 +114,28 @@ def copy_prefix(model, cache, length: int):
     return copy
 
 
+def chunking_refusal(method, params: dict) -> str | None:
+    """Why an input split across forwards past the trained window (chunks, a prefill apart from
+    the last prompt token) cannot give the numbers of one forward under the method `method` bound
+    to `params`, or None."""
+    if method.follows_length and params.get("causal", True) is False:
+        return (
+            f"{method.name} with causal=False scales every query of a forward for that forward's longest position, "
+            "so an input split into chunks past the trained window is scaled for each chunk's end, not for the "
+            "whole input; run it in one forward, or patch with causal=True (the default), whose chunks are exact"
+        )
+    return None
+
+
+def _refuse_split(model, end: int) -> None:
+    """ValueError when the patch's scaling cannot be split across forwards (chunking_refusal) and
+    the `end` positions of the input reach past the trained window."""
+    patch = _patch(model)
+    reason = None if patch is None else chunking_refusal(*patch)
+    if reason is not None and end > installed_patch(model).original_window:
+        raise ValueError(reason)
+
+
 def _warn_slow_schedule(model, chunk_size: int) -> None:
     """A dynamic method re-scaled more often than once per chunk attends each chunk in many groups."""
     patch = _patch(model)
@@ -145,16 +173,19 @@ def chunked_forward(
     `new_cache`). `on_chunk(start, hidden_chunk)` is called after each chunk, e.g. to score it and
     let it go (chunked_nll)."""
     input_ids = _check(input_ids, chunk_size)
+    check_adapter_base(model)
     batch, length = input_ids.shape
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}"
         )
+    cache = new_cache(model) if cache is None else cache
+    past = cache.get_seq_length()
+    if past or length > chunk_size:
+        _refuse_split(model, past + length)
     _warn_slow_schedule(model, chunk_size)
     decoder = model.get_decoder()
     device = model.get_input_embeddings().weight.device
-    cache = new_cache(model) if cache is None else cache
-    past = cache.get_seq_length()
     if attention_mask is not None:
         if past:
             raise ValueError("attention_mask (padding) is supported from an empty cache only")
@@ -228,6 +259,15 @@ def chunked_nll(model, input_ids: torch.Tensor, chunk_size: int, *, progress: bo
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
+def _generation(model, generate_kwargs: dict) -> tuple[GenerationMode, int]:
+    """The mode generate will run for these arguments and the rows it makes of each prompt row
+    (beams, returned sequences), read from the generation config as generate reads it."""
+    config = copy.deepcopy(generate_kwargs.get("generation_config") or model.generation_config)
+    config.update(**{key: value for key, value in generate_kwargs.items() if key != "generation_config"})
+    mode = config.get_generation_mode(generate_kwargs.get("assistant_model"))
+    return mode, max(config.num_beams or 1, config.num_return_sequences or 1)
+
+
 @torch.no_grad()
 def chunked_generate(
     model,
@@ -240,14 +280,34 @@ def chunked_generate(
 ) -> torch.Tensor:
     """`model.generate` for a long prompt: all but its last token are prefilled through the KV
     cache in chunks (chunked_forward), then generate continues from that cache, with any of its
-    options (`max_new_tokens`, `do_sample`, ...). Returns what generate returns (prompt included)."""
+    options (`max_new_tokens`, `do_sample`, `num_beams`, ...). Returns what generate returns
+    (prompt included).
+
+    Beam search and several returned sequences get the cache repeated for each row generate makes
+    of a prompt row. Assisted decoding (`assistant_model`, `prompt_lookup_num_tokens`, ...) is
+    refused: generate's first assisted forward runs over the whole prompt on top of the cache it
+    is given, so a prefilled prompt would be read twice."""
     input_ids = _check(input_ids, chunk_size)
+    check_adapter_base(model)
     if "cache" in generate_kwargs or "past_key_values" in generate_kwargs:
         raise ValueError("chunked_generate builds its own cache; do not pass one")
+    mode, rows = _generation(model, generate_kwargs)
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            "chunked_generate does not run assisted decoding (assistant_model, prompt_lookup_num_tokens, "
+            "assistant_early_exit, use_mtp): transformers' first assisted forward runs over the whole prompt on top "
+            "of the cache it is given, so the prefilled prompt would be read twice; call model.generate for it"
+        )
     cache = None
     if input_ids.shape[1] > 1:
+        _refuse_split(model, input_ids.shape[1])  # the last prompt token is generate's first forward
         head_mask = None if attention_mask is None else attention_mask[:, :-1]
         _, cache = chunked_forward(
             model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False, progress=progress
         )
+        if rows > 1:  # generate repeats each prompt row (input_ids, mask) but not a cache it is given
+            cache.batch_repeat_interleave(rows)
+            rotary = installed_rotary(model) if _patch(model) is not None else None
+            if rotary is not None:
+                rotary.repeat_positions(cache, rows)
     return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

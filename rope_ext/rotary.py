@@ -14,6 +14,9 @@ rotates queries and all keys with the frequencies of the current length at every
 forward and token-by-token decoding then see the same angles for every key, in any dtype.
 `DynamicRotation` is that engine: which positions the keys of each KV cache have (through crops,
 copies and assisted decoding) and the causal schedule, as one `RotationFrame` per forward.
+
+A patched model pickles (torch.save): the module keeps its method by name and position ratio
+(`method_reference`; a Method holds lambdas and closures) and drops what each forward leaves.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from . import method as methods
 from .geometry import RotaryGeometry
 from .method.base import SCHEDULE_PARAMS, Method
 from .rotation import RotationFrame, cos_sin
@@ -40,6 +44,18 @@ def position_geometry(geometry: RotaryGeometry, ratio: float) -> RotaryGeometry:
     return replace(geometry, original_window=int(window) if window.is_integer() else window)
 
 
+class PositionRatio:
+    """The frequency function of a method in a checkpoint's position units (with_position_ratio)."""
+
+    def __init__(self, frequencies, ratio: float):
+        self.frequencies, self.ratio = frequencies, ratio
+
+    def __call__(self, geom: RotaryGeometry, seq_len: int | None = None, *, factor, **params):
+        length = None if seq_len is None else math.ceil(seq_len / self.ratio)
+        inv_freq, scale = self.frequencies(position_geometry(geom, self.ratio), length, factor=factor, **params)
+        return inv_freq / self.ratio, scale
+
+
 def with_position_ratio(method: Method, ratio: float) -> Method:
     """`method` on a checkpoint trained with its positions divided by `ratio` (a linear scaling it
     keeps under the patch): the method's frequencies in the checkpoint's position units, divided
@@ -47,14 +63,19 @@ def with_position_ratio(method: Method, ratio: float) -> Method:
     the length, rounded up, so that their schedule moves in steps of `ratio` tokens."""
     if ratio == 1:
         return method
-    frequencies = method.fn
+    return replace(method, fn=PositionRatio(method.fn, ratio))
 
-    def fn(geom: RotaryGeometry, seq_len: int | None = None, *, factor, **params):
-        length = None if seq_len is None else math.ceil(seq_len / ratio)
-        inv_freq, scale = frequencies(position_geometry(geom, ratio), length, factor=factor, **params)
-        return inv_freq / ratio, scale
 
-    return replace(method, fn=fn)
+def method_reference(method: Method) -> tuple[str, float]:
+    """(name, position ratio): what `referenced_method` rebuilds `method` from. A Method holds
+    functions that pickle does not take (lambdas, closures), so a patched model pickles this."""
+    return method.name, method.fn.ratio if isinstance(method.fn, PositionRatio) else 1.0
+
+
+def referenced_method(reference: tuple[str, float], params: dict) -> Method:
+    """The method `method_reference` named, bound to `params` as the patch bound it."""
+    name, ratio = reference
+    return with_position_ratio(methods.get(name, params), ratio)
 
 
 class KeyPositions:
@@ -135,6 +156,13 @@ class DynamicRotation:
         if positions is not None:
             self.positions.set(target, positions[..., :length])
 
+    def repeat_positions(self, cache, repeats: int) -> None:
+        """Each row of `cache` was repeated `repeats` times in place (Cache.batch_repeat_interleave):
+        so are its keys' positions."""
+        positions = self.positions.get(cache)
+        if positions is not None:
+            self.positions.set(cache, positions.repeat_interleave(repeats, dim=0))
+
 
 class ExtendedRotaryEmbedding(nn.Module):
     """Drop-in for a transformers rotary module: `forward(x, position_ids) -> (cos, sin)`.
@@ -161,6 +189,16 @@ class ExtendedRotaryEmbedding(nn.Module):
         self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
         self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
         self._pending_cache = None
+
+    def __getstate__(self):
+        # pickled by torch.save(model): the method by its name; the rotation engine holds what
+        # each forward leaves (the positions of each cache's keys, weakly; the frame), not state
+        state = {k: v for k, v in self.__dict__.items() if k not in ("rotation", "_pending_cache")}
+        return {**state, "method": method_reference(self.method)}
+
+    def __setstate__(self, state):
+        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"]), "_pending_cache": None})
+        self.rotation = DynamicRotation(self.method, self.factor, self.params, self.geometry, self.inv_freq.device)
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts buffers too; angles must stay fp32, so recompute the
@@ -196,6 +234,11 @@ class ExtendedRotaryEmbedding(nn.Module):
         shape = (*q_pos.shape, self.geometry.rotary_dim)
         return x.new_ones(shape), x.new_zeros(shape)
 
+    @property
+    def pending_cache(self):
+        """The cache the running forward extends (set by before_forward, dropped by after_forward)."""
+        return self._pending_cache
+
     def before_forward(self, cache) -> None:
         """Called by a pre-forward hook on the decoder: the cache this forward will extend."""
         self._pending_cache = cache
@@ -209,6 +252,10 @@ class ExtendedRotaryEmbedding(nn.Module):
         """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it
         gets their positions, so later forwards can rotate them."""
         self.rotation.copy_positions(source, target, length)
+
+    def repeat_positions(self, cache, repeats: int) -> None:
+        """Each row of `cache` was repeated `repeats` times (beam search from a prefilled cache)."""
+        self.rotation.repeat_positions(cache, repeats)
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())

@@ -125,6 +125,31 @@ def _seal(out: Path, method: str) -> None:
     )
 
 
+def check_adapter_base(model) -> None:
+    """ValueError when `model` is a peft model carrying an adapter that `save_record` wrote for a
+    patched base (its config names the fine-tune's `base` folder, beside rope_ext_finetune.json)
+    but whose base is not that one: `PeftModel.from_pretrained(<the base loaded by its original
+    name>, out)`, peft's own pattern, attaches the adapter to the unpatched model, which peft
+    does without a word. The base is checked by its rope_parameters, which carry the patch."""
+    adapters = getattr(model, "peft_config", None)
+    if not isinstance(adapters, dict):
+        return
+    config = model.get_base_model().config
+    for name, adapter in adapters.items():
+        folder = Path(getattr(adapter, "base_model_name_or_path", None) or "")
+        if folder.name != PLAIN_BASE or not (folder.parent / record.FINETUNE_FILE).is_file():
+            continue
+        expected = AutoConfig.from_pretrained(folder)
+        if config.rope_parameters != expected.rope_parameters:
+            _, saved = record.read_finetune(folder.parent)
+            raise ValueError(
+                f"adapter {name!r} was trained on the patched base {folder} ({saved.method} x{saved.factor:g}, "
+                f"rope_parameters {expected.rope_parameters}), but this model's base has {config.rope_parameters}: "
+                "the base was loaded by its original name, so the adapter sits on another model. Load the fine-tune "
+                f"with rope_ext.from_pretrained({str(folder.parent)!r}), or load the base from {str(folder)!r}"
+            )
+
+
 def _adapter_config(path: Path):
     """The adapter's peft config when `save_record` renamed it; None lets peft read its own."""
     from peft import PeftConfig

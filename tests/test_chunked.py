@@ -8,6 +8,10 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext import chunked
+from rope_ext.method import REGISTRY
+from rope_ext.method.alibi_hybrid import ROPE_METHODS
+
+from helpers import cli_error_line, load_llama
 
 
 @torch.no_grad()
@@ -162,3 +166,83 @@ def test_copy_prefix_refuses_what_it_cannot_copy(tiny_model, heldout_ids):
     _, bounded = chunked.chunked_forward(tiny_model, ids, chunk_size=50)
     with pytest.raises(ValueError, match="keeps every key, got SinkWindowCache"):
         rope_ext.copy_prefix(tiny_model, bounded, 10)
+
+
+@pytest.mark.parametrize("method", [None, "dynamic", "self_extend"])
+@pytest.mark.parametrize("assist", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_chunked_generate_refuses_assisted_decoding(tiny_model, tiny_path, heldout_ids, method, assist):
+    """transformers' assisted decoding runs its first forward over the whole prompt and the
+    candidates on top of the cache it is given, so after a chunked prefill it would read the prompt
+    twice (measured: 22 to 26 of 30 greedy tokens differ from generate's)."""
+    if method is not None:
+        rope_ext.patch(tiny_model, method, factor=4)
+    options = {"assistant_model": load_llama(tiny_path)} if assist == "assistant_model" else {assist: 3}
+    prompt = heldout_ids[None, :150]
+    with pytest.raises(ValueError, match="assisted decoding"):
+        chunked.chunked_generate(tiny_model, prompt, chunk_size=40, max_new_tokens=5, do_sample=False, **options)
+
+
+@pytest.mark.filterwarnings("ignore:rope_ext. dynamic re-scales")
+@pytest.mark.parametrize(
+    "method, params", [(None, {}), ("yarn", {}), ("dynamic", {}), ("self_extend", {}), ("dca", {}), ("sink_window", {})]
+)
+def test_chunked_generate_with_beams_equals_generate(tiny_model, heldout_ids, method, params):
+    if method is not None:
+        rope_ext.patch(tiny_model, method, factor=4, **params)
+    window = tiny_model.config.max_position_embeddings
+    prompt = heldout_ids[None, : window + 30]
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, num_beams=3, num_return_sequences=2)
+    with torch.no_grad():
+        expected = tiny_model.generate(prompt, **settings)
+    assert expected.shape[0] == 2
+    assert torch.equal(chunked.chunked_generate(tiny_model, prompt, chunk_size=40, **settings), expected)
+
+
+def test_chunked_generate_with_beams_on_a_padded_batch_equals_generate(tiny_model, heldout_ids):
+    rope_ext.patch(tiny_model, "dynamic", factor=4, granularity=40)
+    window = tiny_model.config.max_position_embeddings
+    long, short = heldout_ids[: window + 30], heldout_ids[3000 : 3000 + window - 20]
+    batch = torch.zeros((2, len(long)), dtype=torch.long)
+    batch[0], batch[1, -len(short) :] = long, short
+    mask = (torch.arange(len(long))[None] >= torch.tensor([[0], [len(long) - len(short)]])).long()
+    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, num_beams=2)
+    with torch.no_grad():
+        expected = tiny_model.generate(batch, **settings)
+    assert torch.equal(chunked.chunked_generate(tiny_model, batch, chunk_size=40, **settings), expected)
+
+
+# every method whose frequencies follow the length, alibi_hybrid with each such rope among them
+FOLLOWS_LENGTH = [(name, {}) for name, m in REGISTRY.items() if m.follows_length] + [
+    ("alibi_hybrid", {"rope": rope}) for rope, m in ROPE_METHODS.items() if m.follows_length
+]
+
+
+@pytest.mark.parametrize("method, params", FOLLOWS_LENGTH)
+def test_chunks_past_the_window_are_refused_with_causal_false(tiny_model, heldout_ids, method, params):
+    """With causal=False every query of a forward is scaled for that forward's longest position, so
+    chunks are each scaled for their own end: dynamic's perplexity on the first 256 held-out tokens
+    is 88.39 in 32-token chunks, 92.32 in one forward. One chunk, or everything inside the window,
+    is exact."""
+    window = tiny_model.config.max_position_embeddings
+    rope_ext.patch(tiny_model, method, factor=4, causal=False, **params)
+    ids = heldout_ids[: 2 * window]
+    with pytest.raises(ValueError, match="causal=False"):
+        chunked.chunked_nll(tiny_model, ids, chunk_size=32)
+    with pytest.raises(ValueError, match="causal=False"):
+        chunked.chunked_generate(tiny_model, ids[None], chunk_size=2 * window, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        reference = F.cross_entropy(tiny_model(ids[None]).logits[0, :-1], ids[1:], reduction="none").double()
+        inside = F.cross_entropy(tiny_model(ids[None, :window]).logits[0, :-1], ids[1:window], reduction="none").double()
+    assert (chunked.chunked_nll(tiny_model, ids, chunk_size=2 * window) - reference).abs().max() <= 1e-4
+    assert (chunked.chunked_nll(tiny_model, ids[:window], chunk_size=32) - inside).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("command", ["ppl", "passkey", "compare"])
+def test_the_evals_refuse_causal_false_chunks_before_the_model_loads(no_model, tmp_path, capsys, command):
+    if command == "compare":
+        argv = ["compare", "--methods", "plain", "yarn", "dynamic:causal=false", "--chunk-size", "64"]
+    else:
+        argv = ["eval", command, "--method", "dynamic", "--factor", "4", "--param", "causal=False", "--chunk-size", "64"]
+    if command == "ppl":
+        argv += ["--lengths", "64"]
+    assert "--chunk-size: dynamic with causal=False" in cli_error_line([*argv, "--output", str(tmp_path / "o")], capsys)

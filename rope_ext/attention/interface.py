@@ -31,18 +31,25 @@ class StaticCacheError(ValueError, RuntimeError):
     cache hands attention its whole allocation, not the keys that were written."""
 
 
-def refuse_static_cache(method: str) -> Callable:
-    """A forward pre-hook for the decoder that raises StaticCacheError on a static cache."""
+class BeforeDecoder:
+    """The forward pre-hook an attention chain puts on the decoder: raises StaticCacheError on a
+    static cache, and registers the rope-ext wrapper the config names where this process has not
+    (a patched model that torch.load unpickled in a new process). An object, not a closure, so
+    that a patched model pickles."""
 
-    def hook(module, args, kwargs):
+    def __init__(self, method: str):
+        self.method = method
+
+    def __call__(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if getattr(cache, "is_compileable", False):
             raise StaticCacheError(
-                f"{method}: pre-allocated (static) KV caches are not supported, because the patch needs each "
+                f"{self.method}: pre-allocated (static) KV caches are not supported, because the patch needs each "
                 "key's position; use the default DynamicCache"
             )
-
-    return hook
+        name = module.config._attn_implementation
+        if name.startswith(PREFIX) and name not in ALL_ATTENTION_FUNCTIONS:
+            registered_name(base_name(name))
 
 
 def backend(module: torch.nn.Module, name: str) -> Callable:
@@ -118,13 +125,15 @@ class AttentionChain:
             raise ValueError("an attention chain needs at least one transform")
         self.transforms = tuple(transforms)
         self._hooks: list = []
+        self.method = None
 
     def attach(self, site, method: str) -> None:
         """Let each transform add what it keeps on the model. Every chain needs the positions of
         the cached keys, which a static cache does not give: such a cache is refused."""
+        self.method = method
         for transform in self.transforms:
             transform.attach(site)
-        self._hooks = [site.decoder.register_forward_pre_hook(refuse_static_cache(method), with_kwargs=True)]
+        self._hooks = [site.decoder.register_forward_pre_hook(BeforeDecoder(method), with_kwargs=True)]
 
     def detach(self, site) -> None:
         for handle in self._hooks:
@@ -134,9 +143,19 @@ class AttentionChain:
             transform.detach(site)
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
+        """(output, weights): the weights where the backend gives them and the chain keeps one
+        softmax per row; asked for (output_attentions) where it has none, a ValueError, since
+        transformers would return an empty tuple without a word."""
         for transform in reversed(self.transforms):
             attend = _bind(transform, attend)
-        return attend(module, query, key, value, attention_mask, **kwargs)
+        out, weights = attend(module, query, key, value, attention_mask, **kwargs)
+        if weights is None and kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+            raise ValueError(
+                f"output_attentions=True: {self.method} under rope-ext returns no attention weights here: methods that "
+                "merge one softmax from several attention calls have none, and the others have them on the eager "
+                "backend only (model.set_attn_implementation('eager')); call the model without output_attentions"
+            )
+        return out, weights
 
 
 def _bind(transform: AttentionTransform, attend: Callable) -> Callable:

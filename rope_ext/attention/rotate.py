@@ -61,7 +61,7 @@ class RotateInAttention(AttentionTransform):
                 module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len), (first_key, written), kwargs
             )
         offset = kv_len - q_len
-        out = None
+        out = weights = None
         for length in groups:
             rows = (lengths == length).any(0).nonzero()
             lo, hi = int(rows[0]), int(rows[-1]) + 1
@@ -70,7 +70,7 @@ class RotateInAttention(AttentionTransform):
                 mask = attention_mask[:, :, lo:hi, :end]
             else:
                 mask = causal_mask(offset + lo, hi - lo, end, query.dtype, query.device)
-            part, _ = self._attend(
+            part, part_weights = self._attend(
                 module,
                 query[:, :, lo:hi],
                 key[:, :, :end],
@@ -87,7 +87,12 @@ class RotateInAttention(AttentionTransform):
                 out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
             chosen = (lengths[:, lo:hi] == length)[..., None, None]
             out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
-        return out, None
+            if part_weights is not None:  # a backend that gives them (eager): each row's from its group
+                if weights is None:
+                    weights = part_weights.new_zeros((*part_weights.shape[:2], q_len, kv_len))
+                rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
+                weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
+        return out, weights
 
     def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
         """query [B, H, Sq, D] with the `logn` parameter on (docs/logn.md): each row at a position p

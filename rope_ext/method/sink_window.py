@@ -94,10 +94,29 @@ class SinkWindowLayer(DynamicLayer):
 
 
 class SinkWindowCache(Cache):
-    """A KV cache of `SinkWindowLayer`s: memory bounded by sinks + window keys per layer."""
+    """A KV cache of `SinkWindowLayer`s: memory bounded by sinks + window keys per layer.
+
+    The keys it lets go are ones only a model patched with sink_window of the same sizes never
+    attends; any other model would attend what is left without a word. So the patch's attention
+    marks the cache as served at the start of each forward (`serve`), and an update in a forward
+    it does not serve is a ValueError, before the cache changes."""
 
     def __init__(self, num_layers: int, sinks: int, window: int):
         super().__init__(layers=[SinkWindowLayer(sinks, window) for _ in range(num_layers)])
+        self.sinks, self.window = sinks, window
+        self.served: tuple[int, int] | None = None  # (sinks, window) of the patch running a forward on it
+
+    def serve(self, sizes: tuple[int, int] | None) -> None:
+        self.served = sizes
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self.served != (self.sinks, self.window):
+            raise ValueError(
+                f"SinkWindowCache(sinks={self.sinks}, window={self.window}) serves a model patched with {NAME} "
+                f"of these sizes only, whose attention never reaches the keys it lets go; this model is unpatched, "
+                "patched with another method or other sizes. Use a DynamicCache, or rope_ext.chunked.new_cache(model)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class SinkWindowAttention(RotateInAttention):
@@ -107,6 +126,18 @@ class SinkWindowAttention(RotateInAttention):
     keys go, the sinks followed by the newest keys."""
 
     rotates = True
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        super()._before_forward(module, args, kwargs)
+        cache = self.rotary.pending_cache
+        if isinstance(cache, SinkWindowCache):
+            cache.serve((self.rotary.params["sinks"], self.rotary.params["window"]))
+
+    def _after_forward(self, module, args, kwargs, output) -> None:
+        cache = self.rotary.pending_cache
+        if isinstance(cache, SinkWindowCache):
+            cache.serve(None)
+        super()._after_forward(module, args, kwargs, output)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         frame = self.rotary.frame

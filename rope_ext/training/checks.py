@@ -87,7 +87,8 @@ def check_quantization(cfg: dict, accelerator) -> None:
 
 def check_parallelism(cfg: dict, cp_size: int) -> None:
     if cp_size > 1:
-        if rope_ext.methods()[cfg["patch"]["method"]]["dynamic"] or cfg["training"]["s2_groups"]:
+        spec, _, _ = rope_ext.method.check(cfg["patch"]["method"], cfg["patch"]["factor"], cfg["patch"]["params"])
+        if spec.dynamic or cfg["training"]["s2_groups"]:
             raise ConfigError(
                 "context parallelism supports static methods with full attention only (no dynamic method, no s2_groups)"
             )

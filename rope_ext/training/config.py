@@ -270,8 +270,13 @@ def check_config(cfg: dict) -> None:
         raise ConfigError(f"output.log_with must be a list of tracker names, e.g. [tensorboard], got {trackers!r}")
     if not 0 <= cfg["lora"]["dropout"] < 1:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg['lora']['dropout']}")
-    if cfg["training"]["s2_groups"] and rope_ext.method.REGISTRY[method].dynamic:
-        raise ConfigError(f"shifted sparse attention (training.s2_groups) cannot be combined with the dynamic method {method!r}")
+    if cfg["training"]["s2_groups"] and (spec.dynamic or spec.needs_attention_interface):
+        # the method as bound to its parameters: alibi_hybrid's rope decides whether it rotates in attention
+        inside = "rotates queries and keys inside attention" if spec.dynamic else "adds its own step to attention"
+        raise ConfigError(
+            f"shifted sparse attention (training.s2_groups) replaces the model's attention function, and {method!r} "
+            f"with these parameters {inside}: train it with full attention (s2_groups: 0)"
+        )
     if cfg["training"]["pose"]:
         check_pose_method(method, spec)
         if cfg["training"]["s2_groups"]:
