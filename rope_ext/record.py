@@ -69,7 +69,7 @@ SCALING_KEYS = frozenset(
 
 # rope types whose `factor` vLLM and SGLang multiply max_position_embeddings by to get the longest
 # sequence they accept (docs/serving.md); for the others they take max_position_embeddings as it is.
-WINDOW_TIMES_FACTOR = ("linear", "dynamic")
+WINDOW_TIMES_FACTOR = ("linear", "dynamic", "proportional")
 
 
 @dataclass(frozen=True)

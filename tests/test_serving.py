@@ -5,9 +5,10 @@ version read, from the released wheels' source: vLLM 0.34.0 (the same in 0.30.0 
 rules), vLLM 0.29.0 (the same in 0.27.0 and 0.28.0) and SGLang 0.5.23. For every method the table
 lists, a patch is saved as config.json and each engine's frequencies, attention factor, accepted
 length and table size are compared with rope-ext's own: the table's cell is "yes" exactly when
-they agree at both ends of the extension. No written config lets an engine accept more positions
-than the patch is meant for. Transformers' chunked prefill gives the tokens
-rope_ext.chunked_generate gives."""
+they agree in the first and last row of a forward of the trained window, of one past it and of
+the length the patch is meant for. No engine version read refuses a rope type rope-ext writes.
+No written config lets an engine accept more positions than the patch is meant for.
+Transformers' chunked prefill gives the tokens rope_ext.chunked_generate gives."""
 
 from __future__ import annotations
 
@@ -35,12 +36,21 @@ class Served:
     """What an engine builds from config.json: the inverse frequency of each rotated pair (an
     engine that divides the positions by a factor shows here as frequencies divided by it), the
     factor on cos and sin, the longest sequence it accepts unless told otherwise, and how many
-    positions its cos/sin table holds."""
+    positions its cos/sin table holds. An engine that picks a set of frequencies per forward from
+    the positions it holds (SGLang's longrope) states the other set in `short`: its frequencies,
+    its attention factor, and the longest forward (from position 0) that uses them."""
 
     inv_freq: torch.Tensor
     attention: float
     max_length: int
     positions: int
+    short: tuple[torch.Tensor, float, int] | None = None
+
+    def at(self, length: int) -> tuple[torch.Tensor, float]:
+        """The frequencies and attention factor of a forward over positions 0 to length - 1."""
+        if self.short is not None and length <= self.short[2]:
+            return self.short[0], self.short[1]
+        return self.inv_freq, self.attention
 
 
 def pair_frequencies(base: float, dim: int) -> torch.Tensor:
@@ -95,14 +105,60 @@ def shared_types(kind: str, rope: dict, base: float, dim: int, window: int) -> t
     return torch.where(wavelen < trained / high, inv, torch.where(wavelen > trained / low, inv / factor, blended)), window
 
 
+def head_size(config: dict) -> int:
+    """head_dim, or hidden_size / heads where the config states none (vLLM get_rope's callers,
+    SGLang models/llama.py)."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def read(config: dict) -> tuple[dict, str, float, int, int]:
     """(rope_parameters, rope_type, base, rotary dim, max_position_embeddings) as every engine
-    reads them (vLLM get_rope, SGLang models/llama.py): head_dim or hidden_size / heads, times
+    reads them (vLLM get_rope, SGLang models/llama.py): the head size times
     partial_rotary_factor."""
     rope = config["rope_parameters"]
-    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    dim = int(head * rope.get("partial_rotary_factor", 1.0))
+    dim = int(head_size(config) * rope.get("partial_rotary_factor", 1.0))
     return rope, rope.get("rope_type", "default"), rope.get("rope_theta", 10000), dim, config["max_position_embeddings"]
+
+
+def longrope_set(factors: list[float], base: float, dim: int) -> torch.Tensor:
+    """1 / (lambda_i base^(2i/dim)) in fp32: vLLM phi3_long_rope_scaled_rope.py and SGLang
+    rope_variant.py, `Phi3LongRoPEScaledRotaryEmbedding._compute_inv_freq`."""
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def longrope_mscales(rope: dict, trained: int, max_position: int) -> tuple[float, float]:
+    """(short, long) factor on cos and sin, `Phi3LongRoPEScaledRotaryEmbedding.__init__` in both
+    engines: `short_mscale` and `long_mscale` where given, else sqrt(1 + ln(max_position / L) /
+    ln L), 1 when max_position <= L, with max_position the config's max_position_embeddings:
+    neither `factor` nor `attention_factor` is read."""
+    scale = max_position / trained
+    default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(trained))
+    return tuple(default if rope.get(key) is None else rope[key] for key in ("short_mscale", "long_mscale"))
+
+
+def proportional_frequencies(base: float, head: int, dim: int) -> torch.Tensor:
+    """vLLM gemma4_rope.py and SGLang rope_variant.py, `Gemma4RotaryEmbedding._compute_inv_freq`:
+    dim // 2 pairs turn at 1 / base^(2i/head), the other pairs of the head at 0. No `factor`."""
+    turning = 1.0 / (base ** (torch.arange(0, 2 * (dim // 2), 2, dtype=torch.float) / head))
+    return torch.cat((turning, torch.zeros(head // 2 - dim // 2)))
+
+
+def vllm_longrope(config: dict) -> Served:
+    """vLLM's longrope, the same in 0.27.0, 0.29.0, 0.30.0 and 0.34.0. config/model.py
+    `_get_and_verify_max_len` does not multiply max_position_embeddings by `factor`, and without
+    --max-model-len sets max_model_len to a top-level original_max_position_embeddings where the
+    config has one (Phi-3's), else to max_position_embeddings. `get_rope` builds
+    `Phi3LongRoPEScaledRotaryEmbedding` (phi3_long_rope_scaled_rope.py), whose `__init__` picks one
+    set at start-up: the long factors for every position, in a table of max_position_embeddings
+    positions, when max_model_len > L (rope_parameters' original_max_position_embeddings), else
+    the short ones, in a table of L."""
+    rope, _, base, dim, window = read(config)
+    trained = rope["original_max_position_embeddings"]
+    accepted = int(config.get("original_max_position_embeddings", window))
+    short_mscale, long_mscale = longrope_mscales(rope, trained, window)
+    if accepted > trained:
+        return Served(longrope_set(rope["long_factor"], base, dim), long_mscale, accepted, window)
+    return Served(longrope_set(rope["short_factor"], base, dim), short_mscale, accepted, trained)
 
 
 def vllm_0_34(config: dict) -> Served:
@@ -112,9 +168,14 @@ def vllm_0_34(config: dict) -> Served:
     longrope. yarn takes transformers' `attention_factor`, else the mscale ratio, else 0.1 ln s + 1.
     dynamic (dynamic_ntk_scaling_rope.py) scales the base by (s * max_position /
     max_trained_positions - (s - 1)), max_trained_positions defaulting to max_position: the base
-    unchanged, in a table of max_position positions."""
+    unchanged, in a table of max_position positions. proportional (`Gemma4RotaryEmbedding`)
+    rotates int(head * partial_rotary_factor) // 2 pairs with exponents over the whole head and
+    ignores `factor`, in a table of max_position positions, while the accepted length is times
+    `factor`. longrope: `vllm_longrope`."""
     rope, kind, base, dim, window = read(config)
-    length = window if kind in ("llama3", "yarn", "longrope") else window * rope.get("factor", 1.0)
+    if kind == "longrope":
+        return vllm_longrope(config)
+    length = window if kind in ("llama3", "yarn") else window * rope.get("factor", 1.0)
     if kind == "yarn":
         factor, attention = rope["factor"], rope.get("attention_factor")
         if attention is None:
@@ -130,6 +191,8 @@ def vllm_0_34(config: dict) -> Served:
         factor, trained = rope["factor"], rope.get("max_trained_positions", window)
         scaled = base * (factor * window / trained - (factor - 1)) ** (dim / (dim - 2))
         return Served(pair_frequencies(scaled, dim), 1.0, int(length), window)
+    if kind == "proportional":
+        return Served(proportional_frequencies(base, head_size(config), dim), 1.0, int(length), window)
     inv, positions = shared_types(kind, rope, base, dim, window)
     return Served(inv, 1.0, int(length), positions)
 
@@ -157,7 +220,14 @@ def sglang_0_5(config: dict) -> Served:
     `extrapolation_factor`, `mscale` and `mscale_all_dim` (not `attention_factor`): the
     temperature is (the mscale ratio where both are given, else 0.1 ln s + 1) * attn_factor.
     dynamic builds one table of max_position * s positions with the base of length
-    max_position * s: base * (s^2 - s + 1)^(d/(d-2)) for every position."""
+    max_position * s: base * (s^2 - s + 1)^(d/(d-2)) for every position.
+    longrope (`Phi3LongRoPEScaledRotaryEmbedding`, rope_variant.py; models/llama.py puts a
+    top-level original_max_position_embeddings over the rope parameters' L) picks a set per
+    forward: the long factors for all of its positions when any position is > L (a forward of
+    L + 2 tokens from position 0), else the short ones; tables of max_position (long) and L
+    (short) positions. proportional (`Gemma4RotaryEmbedding`) rotates rotary_dim // 2 pairs with
+    exponents over the whole head and ignores `factor`; models/llama.py takes rotary_dim from
+    a top-level partial_rotary_factor (1 without one), not from the rope parameters."""
     rope, kind, base, dim, window = read(config)
     scale = 1 if "original_max_position_embeddings" in rope or kind == "llama3" else rope.get("factor", 1)
     length = int(scale * window)
@@ -176,6 +246,15 @@ def sglang_0_5(config: dict) -> Served:
         table = window * factor
         scaled = base * (factor * table / window - (factor - 1)) ** (dim / (dim - 2))
         return Served(pair_frequencies(scaled, dim), 1.0, length, math.ceil(table))
+    if kind == "longrope":
+        trained = config.get("original_max_position_embeddings", rope["original_max_position_embeddings"])
+        short_mscale, long_mscale = longrope_mscales(rope, trained, window)
+        short = (longrope_set(rope["short_factor"], base, dim), short_mscale, trained + 1)
+        return Served(longrope_set(rope["long_factor"], base, dim), long_mscale, length, window, short)
+    if kind == "proportional":
+        head = head_size(config)
+        rotated = int(config.get("partial_rotary_factor", 1) * head)
+        return Served(proportional_frequencies(base, head, rotated), 1.0, length, window)
     inv, positions = shared_types(kind, rope, base, dim, window)
     return Served(inv, 1.0, length, positions)
 
@@ -197,12 +276,25 @@ def table() -> list[tuple[str, dict, str, dict]]:
     return rows
 
 
-# the parameters a method requires, beside its defaults
-REQUIRED = {"ntk_alpha": {"alpha": 8.0}, "longrope": {"long_factor": [2.0] * 32, "short_factor": [1.0] * 32}}
+# the parameters a method requires beside its defaults, for a model that rotates `pairs` pairs;
+# longrope's sets differ from each other and from pair to pair, so that a wrong set shows
+REQUIRED = {
+    "ntk_alpha": lambda pairs: {"alpha": 8.0},
+    "longrope": lambda pairs: {
+        "long_factor": torch.linspace(1.0, 8.0, pairs).tolist(),
+        "short_factor": torch.linspace(1.0, 1.3, pairs).tolist(),
+    },
+}
+
+
+def required(name: str, model) -> dict:
+    """`name`'s required parameters for `model`, its rotated pairs read from its config."""
+    pairs = read(json.loads(model.config.to_json_string()))[3] // 2
+    return REQUIRED[name](pairs) if name in REQUIRED else {}
 
 
 def native(name: str, **params) -> dict | None:
-    params = {**REQUIRED.get(name, {}), **params}
+    params = {**(REQUIRED[name](32) if name in REQUIRED else {}), **params}
     method = REGISTRY[name].bind(params)
     geometry = RotaryGeometry(rotary_dim=64, base=10000.0, original_window=8192)
     return method.native(geometry, 4.0, method.validate(4.0, params), {})
@@ -230,17 +322,28 @@ def served_model():
     )
 
 
+def patched_at(model, row: int, length: int) -> tuple[torch.Tensor, float]:
+    """The patch's frequencies and attention factor for the row at position `row` of a forward over
+    positions 0 to length - 1: under a causal schedule each row has the length it has seen."""
+    rotary = model.model.rotary_emb
+    if not rotary.method.follows_length:
+        return rotary.frequencies(length)
+    return rotary.frequencies(int(rotary.rotation.scaled_lengths(torch.arange(length))[row]))
+
+
 def serves_as_patched(served: Served, model) -> bool:
-    """The engine's frequencies and attention factor are the patch's at both ends of the extension
-    (one past the trained window, and the length the patch is meant for), and it accepts that
-    length with a table that holds it."""
-    applied, rotary = installed_patch(model), model.model.rotary_emb
-    for length in (applied.original_window + 1, applied.max_length):
-        inv_freq, attention = rotary.frequencies(length)
-        if served.inv_freq.shape != inv_freq.shape or not torch.allclose(served.inv_freq, inv_freq, rtol=1e-6, atol=0):
-            return False
-        if not math.isclose(served.attention, attention, rel_tol=1e-9):
-            return False
+    """The engine's frequencies and attention factor are the patch's in the first and the last
+    row of a forward of the trained window, of one past it and of the length the patch is meant
+    for, and it accepts that length with a table that holds it."""
+    applied = installed_patch(model)
+    for length in (applied.original_window, applied.original_window + 1, applied.max_length):
+        for row in (0, length - 1):
+            inv_freq, attention = patched_at(model, row, length)
+            served_freq, served_attention = served.at(length)
+            if served_freq.shape != inv_freq.shape or not torch.allclose(served_freq, inv_freq, rtol=1e-6, atol=0):
+                return False
+            if not math.isclose(served_attention, attention, rel_tol=1e-9):
+                return False
     return served.max_length == applied.max_length and served.positions >= served.max_length
 
 
@@ -249,9 +352,13 @@ def test_each_engine_serves_what_the_table_says(row):
     name, params, _, cells = row
     model = served_model()
     window, base = model.config.max_position_embeddings, model.config.rope_parameters["rope_theta"]
-    info = rope_ext.patch(model, name, factor=4, **params)
+    info = rope_ext.patch(model, name, factor=4, **required(name, model), **params)
     config = json.loads(model.config.to_json_string())
-    assert cells["transformers 5"] == ("unpatched" if info.native is None else "yes")
+    # transformers reads the written form exactly (tests/test_saving.py) but sets the frequencies
+    # of `dynamic` and `longrope` once per forward, from its length (`dynamic_rope_update`,
+    # modeling_rope_utils.py): a causal schedule, whose rows of one forward differ, is not its
+    causal = model.model.rotary_emb.method.follows_length and info.params.get("causal", True)
+    assert cells["transformers 5"] == ("unpatched" if info.native is None else "not as patched" if causal else "yes")
     for engine, reading in ENGINES.items():
         served = reading(config)
         if info.native is None:
@@ -301,7 +408,13 @@ def test_no_engine_accepts_more_positions_than_the_patch_is_meant_for(checkpoint
     checkpoint's own config, which engines serve as the unpatched checkpoint."""
     model = CHECKPOINTS[checkpoint]()
     before = json.loads(model.config.to_json_string())
-    info = rope_ext.patch(model, method, factor=3, **params)
+    if method == "proportional" and checkpoint == "glm with a linear checkpoint scaling":
+        # GLM rotates half of each head; the patch is refused and writes nothing
+        with pytest.raises(ValueError, match="needs a fully rotated head"):
+            rope_ext.patch(model, method, factor=3)
+        assert json.loads(model.config.to_json_string()) == before
+        return
+    info = rope_ext.patch(model, method, factor=3, **required(method, model), **params)
     config = json.loads(model.config.to_json_string())
     if info.native is None:
         for key in ("rope_parameters", "max_position_embeddings", "head_dim"):
