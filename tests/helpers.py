@@ -264,3 +264,19 @@ def count_lse_calls(monkeypatch) -> dict:
         if name.startswith("rope_ext") and getattr(module, "attend_with_lse", None) is original:
             monkeypatch.setattr(module, "attend_with_lse", counting)
     return counted
+
+
+# the parameters a method requires beside its defaults, for a model that rotates `pairs` pairs;
+# longrope's sets differ from each other and from pair to pair, so that a wrong set shows
+REQUIRED = {
+    "ntk_alpha": lambda pairs: {"alpha": 8.0},
+    "longrope": lambda pairs: {
+        "long_factor": torch.linspace(1.0, 8.0, pairs).tolist(),
+        "short_factor": torch.linspace(1.0, 1.3, pairs).tolist(),
+    },
+}
+
+
+def required_params(name: str, pairs: int) -> dict:
+    """What `patch(model, name)` needs beside the defaults, for a model rotating `pairs` pairs."""
+    return REQUIRED[name](pairs) if name in REQUIRED else {}

@@ -11,7 +11,7 @@ from rope_ext import chunked
 from rope_ext.method import REGISTRY
 from rope_ext.method.alibi_hybrid import ROPE_METHODS
 
-from helpers import cli_error_line, load_llama
+from helpers import cli_error_line, load_llama, required_params
 
 
 @torch.no_grad()
@@ -224,7 +224,8 @@ def test_chunks_past_the_window_are_refused_with_causal_false(tiny_model, heldou
     is 88.39 in 32-token chunks, 92.32 in one forward. One chunk, or everything inside the window,
     is exact."""
     window = tiny_model.config.max_position_embeddings
-    rope_ext.patch(tiny_model, method, factor=4, causal=False, **params)
+    pairs = tiny_model.config.hidden_size // tiny_model.config.num_attention_heads // 2
+    rope_ext.patch(tiny_model, method, factor=4, causal=False, **required_params(method, pairs), **params)
     ids = heldout_ids[: 2 * window]
     with pytest.raises(ValueError, match="causal=False"):
         chunked.chunked_nll(tiny_model, ids, chunk_size=32)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import yaml
-from helpers import cli_error_line, random_model
+from helpers import cli_error_line, random_model, required_params
 from lm_eval.models.huggingface import HFLM
 
 import rope_ext
@@ -128,6 +128,10 @@ SET_TO = {
     "chunk_size": 48,
     "local_size": 8,
     "sinks": 2,
+    "alpha": 4.0,
+    "partial_rotary_factor": 0.5,
+    "short_factor": lambda pairs: [1.1] * pairs,
+    "long_factor": lambda pairs: [3.0] * pairs,
 }
 
 
@@ -138,6 +142,9 @@ def test_the_listing_shows_only_parameters_a_user_can_set(name):
     listed = {key: default for key, default in rope_ext.methods()[name]["params"].items() if key != "factor"}
     assert set(listed) <= set(SET_TO), sorted(set(listed) - set(SET_TO))
     for key, default in listed.items():
-        assert SET_TO[key] != default
-        info = rope_ext.patch(random_model(), name, factor=4, **{key: SET_TO[key]})
-        assert info.params[key] == SET_TO[key], (key, info.params[key])
+        model = random_model()
+        pairs = model.config.hidden_size // model.config.num_attention_heads // 2
+        value = SET_TO[key](pairs) if callable(SET_TO[key]) else SET_TO[key]
+        assert value != default
+        info = rope_ext.patch(model, name, factor=4, **{**required_params(name, pairs), key: value})
+        assert info.params[key] == value, (key, info.params[key])

@@ -19,7 +19,7 @@ from rope_ext.saving import save_record
 from rope_ext.training.checks import check_parallelism
 from rope_ext.training.config import ConfigError, parse_args
 
-from helpers import load_llama
+from helpers import load_llama, required_params
 
 
 @pytest.mark.parametrize("method, params", [(None, {}), ("dynamic", {}), ("sink_window", {"sinks": 2, "window": 60})])
@@ -101,7 +101,8 @@ def test_a_patched_model_survives_torch_save_and_load_in_a_new_process(tiny_path
     expected = {}
     for index, (method, params) in enumerate(PICKLED):
         model = load_llama(tiny_path)
-        rope_ext.patch(model, method, factor=4, **params)
+        pairs = model.config.hidden_size // model.config.num_attention_heads // 2
+        rope_ext.patch(model, method, factor=4, **required_params(method, pairs), **params)
         with torch.no_grad():
             model(ids[:, :40], cache=chunked.new_cache(model), use_cache=True)  # leaves per-forward state behind
             expected[index] = model(ids).logits

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_model
+from helpers import random_model, required_params
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
@@ -276,25 +276,14 @@ def table() -> list[tuple[str, dict, str, dict]]:
     return rows
 
 
-# the parameters a method requires beside its defaults, for a model that rotates `pairs` pairs;
-# longrope's sets differ from each other and from pair to pair, so that a wrong set shows
-REQUIRED = {
-    "ntk_alpha": lambda pairs: {"alpha": 8.0},
-    "longrope": lambda pairs: {
-        "long_factor": torch.linspace(1.0, 8.0, pairs).tolist(),
-        "short_factor": torch.linspace(1.0, 1.3, pairs).tolist(),
-    },
-}
-
-
 def required(name: str, model) -> dict:
     """`name`'s required parameters for `model`, its rotated pairs read from its config."""
     pairs = read(json.loads(model.config.to_json_string()))[3] // 2
-    return REQUIRED[name](pairs) if name in REQUIRED else {}
+    return required_params(name, pairs)
 
 
 def native(name: str, **params) -> dict | None:
-    params = {**(REQUIRED[name](32) if name in REQUIRED else {}), **params}
+    params = {**required_params(name, 32), **params}
     method = REGISTRY[name].bind(params)
     geometry = RotaryGeometry(rotary_dim=64, base=10000.0, original_window=8192)
     return method.native(geometry, 4.0, method.validate(4.0, params), {})
