@@ -12,7 +12,8 @@ from importlib import import_module, metadata
 
 __version__ = "0.1.0"
 
-# The transformers versions .ci/floors tests (docs/compatibility.md); pyproject.toml pins the same.
+# The transformers versions rope-ext accepts (docs/compatibility.md: .ci/floors tests the floor);
+# pyproject.toml pins the same range.
 TRANSFORMERS = ">=5.24,<6"
 
 
