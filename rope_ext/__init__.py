@@ -8,9 +8,40 @@ The names below load their module (and torch) on first use, so that `rope-ext --
 `rope-ext --version` start without them.
 """
 
-from importlib import import_module
+from importlib import import_module, metadata
 
 __version__ = "0.1.0"
+
+# The transformers versions rope-ext accepts (docs/compatibility.md: .ci/floors tests the floor);
+# pyproject.toml pins the same range.
+TRANSFORMERS = ">=5.24,<6"
+
+
+def check_transformers(found: str) -> None:
+    """ImportError, with the reason, unless transformers `found` is in the tested range (a
+    development build of a version in it counts)."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    if SpecifierSet(TRANSFORMERS).contains(found, prereleases=True):
+        return
+    if Version(found) < Version("5.24"):
+        reason = (
+            "before 5.24 transformers passes the KV cache as `past_key_values` and ignores the `cache` argument "
+            "rope-ext passes, so chunked prefill and decoding would give wrong numbers without an error"
+        )
+    else:
+        reason = "a major version rope-ext has not been tested with"
+    raise ImportError(
+        f"rope-ext is tested with transformers{TRANSFORMERS}, found transformers {found} ({reason}); "
+        f"install one in range: pip install 'transformers{TRANSFORMERS}'"
+    )
+
+
+try:
+    check_transformers(metadata.version("transformers"))
+except metadata.PackageNotFoundError:
+    pass  # rope-ext's modules that need transformers fail on their own import of it
 
 # public name -> (module, attribute)
 _API = {

@@ -31,6 +31,14 @@ class StaticCacheError(ValueError, RuntimeError):
     cache hands attention its whole allocation, not the keys that were written."""
 
 
+def passed_cache(kwargs: dict):
+    """The KV cache a forward was called with. transformers 5.24 renamed the argument
+    `past_key_values` to `cache`, and until 5.40 a decoder called directly with the old name sees it
+    under that name (the rename happens inside its forward, after the hooks)."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
 class BeforeDecoder:
     """The forward pre-hook an attention chain puts on the decoder: raises StaticCacheError on a
     static cache, and registers the rope-ext wrapper the config names where this process has not
@@ -41,7 +49,7 @@ class BeforeDecoder:
         self.method = method
 
     def __call__(self, module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = passed_cache(kwargs)
         if getattr(cache, "is_compileable", False):
             raise StaticCacheError(
                 f"{self.method}: pre-allocated (static) KV caches are not supported, because the patch needs each "

@@ -11,7 +11,7 @@ import torch
 
 from rope_ext.rotation import apply_rotary, cos_sin
 
-from .interface import AttentionTransform
+from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
 
 
@@ -36,7 +36,7 @@ class RotateInAttention(AttentionTransform):
         ]
 
     def _before_forward(self, module, args, kwargs) -> None:
-        self.rotary.before_forward(kwargs.get("cache"))
+        self.rotary.before_forward(passed_cache(kwargs))
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         self.rotary.after_forward(getattr(output, "cache", None))
