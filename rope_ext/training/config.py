@@ -164,7 +164,7 @@ def config_file(name: str | Path) -> Path:
         return path
     if (CONFIGS / path).is_file():
         return CONFIGS / path
-    shipped = ", ".join(sorted(p.name for p in CONFIGS.glob("*.yaml")))
+    shipped = ", ".join(sorted(p.name for p in CONFIGS.glob("finetune_*.yaml")))
     raise ConfigError(f"config {path} does not exist (shipped configs, by name: {shipped})")
 
 
