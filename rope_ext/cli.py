@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
     try:
         return target.run(args, plan)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, extras.MissingExtra) as err:
         print(f"rope-ext {name}: failed: {err}", file=sys.stderr)
         return FAILURE
 

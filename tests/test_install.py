@@ -20,13 +20,17 @@ from rope_ext import extras
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("lm_eval", "matplotlib", "gguf", "datasets")
-# A None in sys.modules makes `import` fail and importlib.util.find_spec answer None: to rope-ext
-# and to transformers' availability checks, the package is not installed.
-PRELUDE = f"import sys\nfor name in {BLOCKED!r}:\n    sys.modules[name] = None\n"
 
 
-def run_blocked(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", PRELUDE + code, *args], capture_output=True, text=True, timeout=300)
+def run_blocked(
+    code: str, *args: str, blocked: tuple[str, ...] = BLOCKED, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter to which the `blocked` packages are not installed: a None in
+    sys.modules makes `import` fail and importlib.util.find_spec (rope-ext's and transformers'
+    availability checks) answer None."""
+    prelude = f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+    command = [sys.executable, "-c", prelude + code, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
 def requirement_names(extra: str | None) -> set[str]:
@@ -99,6 +103,20 @@ def test_a_command_whose_extra_is_missing_names_it_before_any_work(argv, extra, 
     assert f'pip install "rope-ext[{extra}]"' in result.stderr and module in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_embedded_model_names_the_gguf_extra_before_converting(tmp_path):
+    from rope_ext import defaults
+
+    (tmp_path / "cache").mkdir()  # no converted copy here; the embedded packages where setup.sh put them
+    (tmp_path / "cache" / "packages").symlink_to(defaults.packages_dir())
+    code = "from rope_ext.cli import main\nsys.exit(main(sys.argv[1:]))"
+    argv = ["eval", "ppl", "--lengths", "64", "--output", str(tmp_path / "out"), "--no-progress"]
+    result = run_blocked(code, *argv, blocked=("gguf",), env={"ROPE_EXT_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 1, result.stderr
+    assert "converting the embedded SmolLM2 from its GGUF file needs gguf" in result.stderr
+    assert 'pip install "rope-ext[gguf]"' in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["packages"] and not (tmp_path / "out").exists()
 
 
 def test_the_python_api_of_an_extra_names_it_too():
