@@ -79,9 +79,10 @@ model.save_pretrained(out)
 again = rope_ext.from_pretrained(out, dtype=torch.float32).eval()
 with torch.no_grad():
     assert torch.equal(again(ids).logits, logits)
-print(info.method, sorted(name for name in sys.modules if name.split(".")[0] in {"lm_eval", "matplotlib", "gguf", "datasets"}))
+loaded = [name for name, module in sys.modules.items() if module is not None and name.split(".")[0] in BLOCKED]
+print(info.method, loaded)
 """
-    result = run_blocked(code, str(tiny_path), str(tmp_path / "patched"))
+    result = run_blocked(f"BLOCKED = {BLOCKED!r}\n" + code, str(tiny_path), str(tmp_path / "patched"))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["yarn", "[]"]
 
