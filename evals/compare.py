@@ -21,6 +21,7 @@ import yaml
 
 import rope_ext
 from rope_ext import arguments
+from rope_ext.extras import require
 from rope_ext.method.base import check_factor
 
 from . import data as data_mod
@@ -143,6 +144,7 @@ def check_ruler(args: argparse.Namespace) -> None:
         )
     if any(n < 1 for n in args.ruler_lengths or []):
         raise ValueError(f"--ruler-lengths must be positive, got {args.ruler_lengths}")
+    require("eval", "--ruler-samples (lm-eval's RULER tasks)", ("lm_eval",))
     if importlib.util.find_spec("wonderwords") is None:
         raise ValueError("--ruler-samples: lm-eval's RULER tasks need the wonderwords package: pip install 'rope-ext[ruler]'")
     known = ruler_tasks()

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from rope_ext.arguments import GUTENBERG, GUTENBERG_JOINED
+from rope_ext.extras import require
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 BINARY_PROBE = 8192  # bytes of a file searched for a NUL byte
@@ -83,6 +84,7 @@ def _local_texts(path: Path, field: str) -> list[tuple[str, str]]:
 
 def _dataset_texts(name: str, split: str, field: str) -> Iterator[tuple[str, str]]:
     """The records of a `datasets` dataset, loaded now (a missing one fails here), read lazily."""
+    require("eval", f"--data {name!r} (a `datasets` dataset)", ("datasets",))
     import datasets
 
     try:

@@ -28,8 +28,11 @@ import re
 import sys
 from pathlib import Path
 
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+from rope_ext.extras import require
+
+require("eval", "the rope_ext lm-eval model type", ("lm_eval", "datasets"))
+from lm_eval.api.registry import register_model  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 import rope_ext
 from rope_ext import method as registry

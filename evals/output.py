@@ -1,13 +1,15 @@
 """Where eval results go: a folder per run holding JSON, a markdown table and plots. An existing
 result file is never replaced unless the user says --overwrite; the check runs before any
 compute, so a forgotten --output costs nothing. Every results file records its provenance
-(`provenance`): the software versions, the machine settings and the checkpoint."""
+(`provenance`): the software versions, the source's git commit when it runs from a checkout, the
+machine settings and the checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -108,6 +110,33 @@ def config_hash(model_as_given: str | None) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
+def checkout_state(root: Path) -> dict:
+    """{"git_commit", "git_dirty"} of the git checkout at `root`, {} where there is none or no git.
+
+    Dirty means a tracked file differs from the commit: untracked files (results being written,
+    a virtual environment) do not change what ran."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=30).stdout
+
+    if not (root / ".git").exists():  # a folder for a checkout, a file for a worktree
+        return {}
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no").strip())
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def source_root() -> Path:
+    """The folder holding the `rope_ext` package: the checkout for an editable install, the
+    site-packages folder (no checkout, so no commit) for an installed one."""
+    import rope_ext
+
+    return Path(rope_ext.__file__).resolve().parents[1]
+
+
 def provenance(model, model_as_given: str | None) -> dict:
     """What a results file records about where its numbers come from. Called when the
     measurement starts, so `date` (UTC) and `threads` are those of the run.
@@ -123,6 +152,7 @@ def provenance(model, model_as_given: str | None) -> dict:
     parameter = next(model.parameters())
     return {
         "rope_ext": rope_ext.__version__,
+        **checkout_state(source_root()),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "device": str(parameter.device),
@@ -136,8 +166,11 @@ def provenance(model, model_as_given: str | None) -> dict:
 
 def provenance_line(record: dict) -> str:
     """The one line a markdown results file gives its provenance."""
+    source = ""
+    if "git_commit" in record:
+        source = f" (git {record['git_commit'][:12]}{', uncommitted changes' if record['git_dirty'] else ''})"
     return (
-        f"Provenance: rope-ext {record['rope_ext']}, transformers {record['transformers']}, torch {record['torch']}; "
+        f"Provenance: rope-ext {record['rope_ext']}{source}, transformers {record['transformers']}, torch {record['torch']}; "
         f"{record['device']}, {record['dtype']}, {record['threads']} thread(s); {record['date']}; "
         f"model {record['model']} (config sha256 {record['config_sha256']}).\n"
     )

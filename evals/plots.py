@@ -12,7 +12,10 @@ from __future__ import annotations
 import itertools
 import re
 
-import matplotlib
+from rope_ext.extras import require
+
+require("plots", "rope_ext.evals.plots (the figures)")
+import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

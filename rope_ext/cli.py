@@ -15,7 +15,7 @@ import platform
 import sys
 from importlib import metadata
 
-from rope_ext import arguments
+from rope_ext import arguments, extras
 
 # name -> (module, its arguments in rope_ext.arguments, one-line help); "eval X" commands are nested under `eval`
 COMMANDS = {
@@ -40,8 +40,10 @@ COMMANDS = {
         "write a remote-code ChatGLM2/3 or GLM-4 checkpoint as a native transformers GLM checkpoint",
     ),
 }
-# `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered.
+# `rope-ext lm-eval ...` is lm-eval's own command line with the rope_ext model type registered;
+# `rope-ext finetune ...` is recipes/finetune.py's, for installs without the checkout's recipes/.
 LM_EVAL = "lm-eval"
+FINETUNE = "finetune"
 USAGE, FAILURE = 2, 1
 PACKAGES = ("rope-ext", "torch", "transformers", "peft", "accelerate", "lm-eval")
 
@@ -100,7 +102,10 @@ def selected(argv: list[str]) -> str | None:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command listed; the arguments only of `command`."""
     parser = argparse.ArgumentParser(prog="rope-ext", description="Extend the context window of HuggingFace models.")
-    parser.epilog = f"also: rope-ext {LM_EVAL} ... (lm-eval's command line with --model rope_ext)"
+    parser.epilog = (
+        f"also: rope-ext {LM_EVAL} ... (lm-eval's command line with --model rope_ext); "
+        f"rope-ext {FINETUNE} --config ... (the LoRA fine-tune, recipes/finetune.py)"
+    )
     parser.add_argument("--version", action="version", version=f"rope-ext {version('rope-ext')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     nested = {}
@@ -123,25 +128,46 @@ def quiet_libraries() -> None:
     disable_progress_bars()
 
 
+def finetune(argv: list[str]) -> int:
+    """One process; `accelerate launch -m rope_ext.recipes.finetune ...` runs it on several."""
+    from rope_ext.training.config import ConfigError
+    from rope_ext.training.finetune import main as finetune_main
+
+    try:
+        finetune_main(argv)
+    except ConfigError as err:
+        print(f"rope-ext {FINETUNE}: error: {err}", file=sys.stderr)
+        return USAGE
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == [LM_EVAL]:
+    if argv[:1] in ([LM_EVAL], [FINETUNE]):
+        try:
+            extras.require_for_command(argv[0])
+        except extras.MissingExtra as err:
+            print(f"rope-ext {argv[0]}: error: {err}", file=sys.stderr)
+            return USAGE
+        if argv[0] == FINETUNE:
+            return finetune(argv[1:])
         from rope_ext.evals.lm_eval_model import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = build_parser(selected(argv)).parse_args(argv)
     name = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
-    target = importlib.import_module(COMMANDS[name][0])
     try:
+        extras.require_for_command(name)
+        target = importlib.import_module(COMMANDS[name][0])
         plan = target.check(args)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, extras.MissingExtra) as err:
         print(f"rope-ext {name}: error: {err}", file=sys.stderr)
         return USAGE
     if getattr(args, "no_progress", False):
         quiet_libraries()
     try:
         return target.run(args, plan)
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, extras.MissingExtra) as err:
         print(f"rope-ext {name}: failed: {err}", file=sys.stderr)
         return FAILURE
 

