@@ -4,6 +4,8 @@ many positions it is meant for."""
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import warnings
 from pathlib import Path
 
@@ -210,6 +212,24 @@ def describe_setup(model, info, method: str, params: dict, chunk_size: int | Non
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "chunk_size": chunk_size,
     }
+
+
+def checkpoint_digest(model) -> str:
+    """The first 16 hex digits of a sha256 over the model's config (without the path it was
+    loaded from and the transformers version) and every parameter's name, dtype, shape and bytes:
+    what tells two checkpoints apart when their folders share a name. The same checkpoint, dtype
+    and patch give the same digest on any device."""
+    import torch
+
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version"):
+        config.pop(volatile, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
+    for name, parameter in model.named_parameters():
+        digest.update(f"{name}:{parameter.dtype}:{tuple(parameter.shape)}".encode("utf-8"))
+        data = parameter.detach().reshape(-1).contiguous().cpu()
+        digest.update(data.view(torch.uint8).numpy().data)
+    return digest.hexdigest()[:16]
 
 
 def check_model_args(args) -> dict:
