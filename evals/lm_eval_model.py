@@ -14,7 +14,8 @@ sees this type (importing this module registers it; run it through `rope-ext lm-
 `python -m`, which would register it twice): `main` adds the folder of the tasks shipped here
 (evals/tasks) to the task search path, and runs lm-eval's own command line. From Python, the same
 folder goes to `TaskManager(include_path=TASKS_DIR)`. A built model hands its tokenizer and
-max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it.
+max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it while
+it lives.
 
 lm-eval's RULER tasks build their prompts with a tokenizer they load themselves, named by the
 task metadata's `tokenizer` or `pretrained` key. `main` names the evaluated checkpoint there
@@ -114,7 +115,7 @@ class RopeExtLM(HFLM):
             self.patch_info = loading.apply_method(self.model, method, factor, params, original_window)
         if max_length is None and self.patch_info is not None:
             self._max_length = self.patch_info.max_length
-        lm_eval_tasks.evaluate_with(self.tokenizer, self.max_length)
+        lm_eval_tasks.evaluate_with(self)
         log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
 
 
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "model", None) == "rope_ext":
             args.metadata = with_task_tokenizer(args.model_args or {}, args.metadata or {})
         cli.execute(args)
-    except ModelArgsError as err:
+    except (ModelArgsError, lm_eval_tasks.NoModel) as err:
         print(f"rope-ext lm-eval: error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -176,6 +176,35 @@ def test_python_route_builds_the_tasks_for_the_evaluated_model(tiny_path, tiny_t
 def test_tasks_refuse_without_a_rope_ext_model(monkeypatch):
     from rope_ext.evals import lm_eval_tasks
 
-    monkeypatch.setattr(lm_eval_tasks, "_evaluated", {})
+    monkeypatch.setattr(lm_eval_tasks, "_evaluated", None)
     with pytest.raises(ValueError, match="rope_ext_passkey: .* no rope_ext model has been built"):
         lm_eval_tasks.passkey_dataset(passkey_lengths=[128])
+
+
+def test_tasks_do_not_serve_a_model_built_after_the_rope_ext_one(tiny_path):
+    """One process: a rope_ext model (yarn x2, max_length 256) evaluated and let go, then lm-eval's
+    own hf type (max_length 128). The tasks must not build their documents for the first model."""
+    from lm_eval.models.huggingface import HFLM
+
+    from rope_ext.evals import lm_eval_tasks
+
+    options = dict(passkey_depths=[0.5], passkey_trials=1)
+    lm = RopeExtLM(pretrained=str(tiny_path), method="yarn", factor=2)
+    assert lm_eval_tasks.passkey_dataset(**options)["test"]["length"][-1] == 256
+    del lm
+    hf = HFLM(pretrained=str(tiny_path), device="cpu")
+    assert hf.max_length == 128
+    with pytest.raises(ValueError, match="rope_ext_passkey: .* no rope_ext model"):
+        lm_eval_tasks.passkey_dataset(**options)
+
+
+@pytest.mark.integration
+def test_an_hf_run_after_a_rope_ext_run_is_refused(tiny_path, tmp_path, capsys):
+    """Two `rope-ext lm-eval` runs in one process, the second with lm-eval's hf type: one error
+    line, not passkey prompts built for the first run's model."""
+    common = ["--tasks", "rope_ext_passkey", "--metadata", json.dumps({"passkey_depths": [0.5], "passkey_trials": 1})]
+    assert main(["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=2", *common]) == 0
+    capsys.readouterr()
+    assert main(["run", "--model", "hf", "--model_args", f"pretrained={tiny_path}", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rope-ext lm-eval: error: rope_ext_passkey: ") and "no rope_ext model" in err[-1]
