@@ -104,10 +104,11 @@ def passkey_results(doc: dict, results: list[str]) -> dict:
     return {"exact_match": correct, **{f"acc_{n}": correct if n == doc["length"] else None for n in doc["lengths"]}}
 
 
-def scored_mean(items: list) -> float:
-    """The mean over the documents of one length (the acc_<length> aggregation)."""
+def scored_mean(items: list) -> float | None:
+    """The mean over the documents of one length (the acc_<length> aggregation); None for a length
+    none of the documents run has (lm-eval's --limit takes the first documents only)."""
     scored = [x for x in items if x is not None]
-    return sum(scored) / len(scored)
+    return sum(scored) / len(scored) if scored else None
 
 
 def longppl_dataset(**metadata) -> dict:

@@ -208,3 +208,24 @@ def test_an_hf_run_after_a_rope_ext_run_is_refused(tiny_path, tmp_path, capsys):
     assert main(["run", "--model", "hf", "--model_args", f"pretrained={tiny_path}", *common]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("rope-ext lm-eval: error: rope_ext_passkey: ") and "no rope_ext model" in err[-1]
+
+
+def test_a_length_without_documents_scores_none():
+    from rope_ext.evals import lm_eval_tasks
+
+    assert lm_eval_tasks.scored_mean([1.0, None, 0.0]) == 0.5
+    assert lm_eval_tasks.scored_mean([None, None]) is None  # --limit stopped before this length
+
+
+@pytest.mark.integration
+def test_limit_below_the_number_of_lengths(tiny_path, tmp_path):
+    """--limit 2 over three lengths: the first two lengths are scored, the third reports None."""
+    metadata = {"passkey_lengths": [128, 256, 512], "passkey_depths": [0.5], "passkey_trials": 1}
+    out = tmp_path / "lm_eval"
+    argv = ["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=4"]
+    argv += ["--tasks", "rope_ext_passkey", "--limit", "2", "--metadata", json.dumps(metadata), "--output_path", str(out)]
+    assert main(argv) == 0
+    (results_file,) = out.rglob("results_*.json")
+    passkey = json.loads(results_file.read_text())["results"]["rope_ext_passkey"]
+    assert 0.0 <= passkey["acc_128,first_integer"] <= 1.0 and 0.0 <= passkey["acc_256,first_integer"] <= 1.0
+    assert passkey["acc_512,first_integer"] is None
