@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,6 +33,14 @@ class ResultFolder:
     def claim(self) -> "ResultFolder":
         if self.folder.exists() and not self.folder.is_dir():
             raise ValueError(f"--output {self.folder} is a file, not a folder")
+        # the folder is made by the first write, after the measurement: where it would go must take files now
+        nearest = next(p for p in (self.folder, *self.folder.parents) if p.exists())
+        if not nearest.is_dir():
+            raise ValueError(f"--output {self.folder}: {nearest} is a file, not a folder")
+        try:
+            tempfile.TemporaryFile(dir=nearest).close()
+        except OSError as err:
+            raise ValueError(f"--output {self.folder}: cannot write in {nearest} ({err.strerror or err})") from None
         existing = [n for n in self.names if self.path(n).exists()]
         if existing and not self.overwrite:
             raise FileExistsError(

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
+from rope_ext import method as registry
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
+from rope_ext.method.base import Method
 
 from . import loading, output, retrieval
 
@@ -291,12 +293,33 @@ def check_grid(lengths: list[int] | None, depths: list[float], trials: int, max_
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
 
+def check_shareable(name: str | None, factor, params: dict) -> None:
+    """--share-prefix with --method `name`: the refusals of rope_ext.copy_prefix that the method
+    alone decides, before anything loads (a checkpoint loaded with its own patch is checked once
+    it is loaded, before any prompt)."""
+    if name in (None, arguments.PLAIN):
+        return
+    method, _, params = registry.check(name, factor, params)
+    if type(method).kv_cache is not Method.kv_cache:
+        raise ValueError(
+            f"--share-prefix: {name} lets keys go from its KV cache, so no prompt's cache holds the prefix "
+            "another shares; run without --share-prefix"
+        )
+    if method.dynamic and params.get("causal", True) is False:
+        raise ValueError(
+            f"--share-prefix: {name} with causal=False scales every query for the whole prompt's length, so a "
+            "prefix is not computed as inside another prompt; run without --share-prefix or with causal=True"
+        )
+
+
 def check(args: argparse.Namespace):
     """(method parameters, result folder): every argument checked before the model loads."""
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
+    if args.share_prefix:
+        check_shareable(args.method, args.factor, params)
     baseline = None
     if args.baseline is not None:
         baseline = retrieval.read_baseline(args.baseline)

@@ -198,3 +198,39 @@ def test_precision_defers_to_accelerate_unless_set():
     assert choose_precision(cfg["training"]["precision"]) == "bf16"
     cfg, _ = parse_args(["--precision", "auto"])
     assert choose_precision(cfg["training"]["precision"]) in ("bf16", "fp16", "no")
+
+
+# Late failures (issue #29): found by `check`, before a model loads.
+
+COMMANDS_WITH_OUTPUT = [
+    ["eval", "ppl", "--lengths", "64"],
+    ["eval", "passkey"],
+    ["compare", "--methods", "plain"],
+    ["demo"],
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_OUTPUT, ids=["ppl", "passkey", "compare", "demo"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(no_model, tmp_path, capsys, argv):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = cli_error_line([*argv, "--output", str(blocker / "results")], capsys)
+    assert str(blocker) in line and "not a folder" in line
+    line = cli_error_line([*argv, "--output", "/proc/rope-ext-results"], capsys)  # no file can be made there, even by root
+    assert "cannot write in /proc" in line
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--method", "sink_window", "--factor", "4"], "sink_window lets keys go"),
+        (["--method", "dynamic", "--factor", "4", "--param", "causal=false"], "causal=False"),
+    ],
+)
+def test_passkey_share_prefix_refuses_a_method_that_cannot_share_before_the_model_loads(no_model, tmp_path, capsys, argv, words):
+    line = cli_error_line(["eval", "passkey", "--share-prefix", *argv, "--output", str(tmp_path / "k")], capsys)
+    assert "--share-prefix" in line and words in line
+
+
+def test_compare_checks_the_chunk_size_before_the_model_loads(no_model, tmp_path, capsys):
+    assert "--chunk-size" in cli_error_line(["compare", "--chunk-size", "0", "--output", str(tmp_path / "c")], capsys)
