@@ -46,6 +46,10 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
             "(method, factor, original_window, max_length, and yarn's ",
         ),
         ("bogus=1", "model_args key 'bogus' is not an argument"),
+        ("max_length=0", "model_args max_length must be an int in [1, "),
+        ("method=yarn,factor=2,original_window=abc", "model_args original_window must be an int in [1, "),
+        ("dtype=nope", "model_args dtype='nope' is not a torch dtype"),
+        ("attn_implementation=bogus", 'model_args: Specified `attn_implementation="bogus"` is not supported'),
     ],
 )
 def test_bad_model_args_end_in_one_line(tiny_path, capsys, model_args, message):
@@ -229,3 +233,38 @@ def test_limit_below_the_number_of_lengths(tiny_path, tmp_path):
     passkey = json.loads(results_file.read_text())["results"]["rope_ext_passkey"]
     assert 0.0 <= passkey["acc_128,first_integer"] <= 1.0 and 0.0 <= passkey["acc_256,first_integer"] <= 1.0
     assert passkey["acc_512,first_integer"] is None
+
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ({"method": "yarn", "factor": 2, "original_window": "abc"}, "model_args original_window must be an int"),
+        ({"max_length": "abc"}, "model_args max_length must be an int"),
+        ({"max_length": 0}, "model_args max_length must be an int"),
+        ({"dtype": "nope"}, "model_args dtype='nope' is not a torch dtype"),
+        ({"device": "nope"}, "model_args device='nope' is not a device"),
+        ({"batch_size": "x"}, "model_args batch_size='x' must be a whole number >= 1 or auto"),
+        ({"pretrained": "/nonexistent/checkpoint"}, "model_args pretrained='/nonexistent/checkpoint': no such folder"),
+    ],
+)
+def test_bad_model_args_are_refused_before_the_model_loads(tiny_path, monkeypatch, model_args, message):
+    from lm_eval.models.huggingface import HFLM
+
+    from rope_ext.evals.lm_eval_model import ModelArgsError
+
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ModelArgsError, match=f"^{re.escape(message)}"):
+        RopeExtLM(**{"pretrained": str(tiny_path), **model_args})
+
+
+@pytest.mark.parametrize("method", ["dca", "sink_window"])
+def test_a_method_that_takes_one_sequence_refuses_a_batch_size_above_one(tiny_path, method):
+    """lm-eval left-pads the prompts of a generation batch; these methods run one unpadded
+    sequence, so batch_size > 1 would crash at the first padded batch, after the model loaded and
+    the tasks were built."""
+    from rope_ext.evals.lm_eval_model import ModelArgsError
+
+    with pytest.raises(ModelArgsError, match=f"^model_args batch_size=2: {method}: positions must be those of one unpadded"):
+        RopeExtLM(pretrained=str(tiny_path), method=method, factor=4, batch_size=2)
+    assert RopeExtLM(pretrained=str(tiny_path), method=method, factor=4, batch_size=1).batch_size == 1
+    assert RopeExtLM(pretrained=str(tiny_path), method="yarn", factor=4, batch_size=2).batch_size == 2
