@@ -121,11 +121,19 @@ def quiet_libraries() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [LM_EVAL]:
+        misspelt = arguments.unknown_method(arguments.lm_eval_method(argv[1:]))
+        if misspelt:
+            print(f"rope-ext {LM_EVAL}: error: {misspelt}", file=sys.stderr)
+            return USAGE
         from rope_ext.evals.lm_eval_model import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = build_parser(selected(argv)).parse_args(argv)
     name = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
+    misspelt = arguments.unknown_method(arguments.named_methods(name, args))  # before the command's module loads torch
+    if misspelt:
+        print(f"rope-ext {name}: error: {misspelt}", file=sys.stderr)
+        return USAGE
     target = importlib.import_module(COMMANDS[name][0])
     try:
         plan = target.check(args)

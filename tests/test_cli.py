@@ -234,3 +234,39 @@ def test_passkey_share_prefix_refuses_a_method_that_cannot_share_before_the_mode
 
 def test_compare_checks_the_chunk_size_before_the_model_loads(no_model, tmp_path, capsys):
     assert "--chunk-size" in cli_error_line(["compare", "--chunk-size", "0", "--output", str(tmp_path / "c")], capsys)
+
+
+# A typo in a method name is answered before torch, transformers or lm-eval load (issue #29).
+
+
+def test_the_method_names_known_without_torch_are_the_registered_ones():
+    import rope_ext
+    from rope_ext import arguments
+
+    assert arguments.METHOD_NAMES == tuple(rope_ext.methods())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "passkey", "--method", "yran", "--factor", "4"],
+        ["eval", "ppl", "--lengths", "64", "--method", "yran", "--factor", "4"],
+        ["compare", "--methods", "plain", "yran:beta_fast=16"],
+        ["demo", "--methods", "plain,yran"],
+        ["lm-eval", "run", "--model", "rope_ext", "--model_args", "method=yran,factor=4", "--tasks", "rope_ext_passkey"],
+    ],
+    ids=["passkey", "ppl", "compare", "demo", "lm-eval"],
+)
+def test_a_misspelt_method_is_answered_before_torch_loads(argv):
+    code = (
+        "import sys\nfrom rope_ext import cli\n"
+        f"code = cli.main({argv!r})\n"
+        "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'lm_eval', 'peft'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "2 []"
+    command = "lm-eval" if argv[0] == "lm-eval" else " ".join(argv[: 2 if argv[0] == "eval" else 1])
+    assert done.stderr.strip() == (
+        f"rope-ext {command}: error: unknown method 'yran' (did you mean 'yarn'?); valid methods: "
+        "linear, ntk, dynamic, yarn, dynamic_yarn, ntk_by_parts, llama3, alibi_hybrid, self_extend, rerope, string, dca, sink_window"
+    )
