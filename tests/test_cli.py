@@ -4,6 +4,7 @@ fine-tune recipe's flags and defaults."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -270,3 +271,69 @@ def test_a_misspelt_method_is_answered_before_torch_loads(argv):
         f"rope-ext {command}: error: unknown method 'yran' (did you mean 'yarn'?); valid methods: "
         "linear, ntk, dynamic, yarn, dynamic_yarn, ntk_by_parts, llama3, alibi_hybrid, self_extend, rerope, string, dca, sink_window"
     )
+
+
+# A fine-tune run folder whose files were cut short or lost (issue #29): one error before the model
+# loads, naming the file.
+
+
+def _run_folder(tmp_path, steps=(2, 4)):
+    """A run folder as the recipe leaves it (one process): run_config.json and complete checkpoints."""
+    import json
+
+    from rope_ext.training.checkpoints import TRAINED_STATE
+    from rope_ext.training.config import config_digest
+
+    cfg, _ = parse_args([])
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"config": cfg, "config_digest": config_digest(cfg), "data_parallel_size": 1, "checkpoint_layout": "replicated"}
+    (out / "run_config.json").write_text(json.dumps(record, default=str))
+    for step in steps:
+        folder = out / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        state = {"step": step, "config_digest": config_digest(cfg), "evals": [], "history": []}
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+        (folder / TRAINED_STATE).write_bytes(b"")
+    return cfg, out
+
+
+def _cut_short(path):
+    path.write_text(path.read_text()[:20])
+
+
+@pytest.mark.parametrize(
+    "damage, resume, words",
+    [
+        (lambda out: _cut_short(out / "run_config.json"), "latest", "run_config.json is not valid JSON"),
+        (lambda out: (out / "run_config.json").write_text("{}"), "latest", "run_config.json has no valid config"),
+        (
+            lambda out: _cut_short(out / "checkpoints/step-4/trainer_state.json"),
+            "latest",
+            "step-4/trainer_state.json is not valid JSON",
+        ),
+        (lambda out: (out / "checkpoints/step-4/trainer_state.json").write_text("[]"), "latest", "has no valid step"),
+        (
+            lambda out: _cut_short(out / "checkpoints/step-4/trainer_state.json"),
+            "step-4",
+            "step-4/trainer_state.json is not valid JSON",
+        ),
+        (
+            lambda out: (out / "checkpoints/step-4/trained_state.safetensors").unlink(),
+            "latest",
+            "step-4 holds no trained_state.safetensors",
+        ),
+    ],
+    ids=["run-config-cut", "run-config-empty", "state-cut", "state-not-a-record", "named-state-cut", "weights-lost"],
+)
+def test_a_damaged_run_folder_is_one_error_before_the_model_loads(tmp_path, damage, resume, words):
+    from rope_ext.training.checkpoints import checkpoint_to_resume
+    from rope_ext.training.config import ConfigError
+
+    cfg, out = _run_folder(tmp_path)
+    assert checkpoint_to_resume(out, "latest", cfg, 1, "replicated") == out / "checkpoints" / "step-4"
+    damage(out)
+    with pytest.raises(ConfigError, match=re.escape(words)) as refused:
+        checkpoint_to_resume(out, str(out / "checkpoints" / resume) if resume != "latest" else resume, cfg, 1, "replicated")
+    if "step-4" in words:
+        assert f"--resume {out / 'checkpoints' / 'step-2'}" in str(refused.value)  # the complete one before it
