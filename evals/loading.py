@@ -15,6 +15,7 @@ from rope_ext.arguments import AUTO, DTYPES, PLAIN
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 from rope_ext.patching import installed_patch
+from rope_ext import record
 from rope_ext.record import Patch
 
 
@@ -84,6 +85,8 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
         from rope_ext.defaults import load_smollm2
 
         model, tokenizer = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
+    elif (Path(name).expanduser() / record.FINETUNE_FILE).is_file():
+        model, tokenizer = load_finetuned(Path(name).expanduser(), torch_dtype, attn_implementation)
     else:
         check_model(name, device)
         local = Path(name).expanduser()
@@ -97,6 +100,17 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
                 f"cannot load model {name!r}: it is not a local checkpoint directory and the hub did not provide it ({err})"
             ) from None
     return model.to(device).eval(), tokenizer
+
+
+def load_finetuned(folder: Path, dtype, attn_implementation: str):
+    """(model, tokenizer) of a LoRA fine-tune folder (the recipe's --out): its base, the patch it
+    was trained under and the adapter (rope_ext.load_finetuned), the adapter folded into the
+    weights so that the model is a plain patched one to every eval; named after the folder."""
+    from transformers import AutoTokenizer
+
+    model = rope_ext.load_finetuned(folder, merge=True, dtype=dtype, attn_implementation=attn_implementation)
+    model.config._name_or_path = str(folder.resolve())  # the results name the fine-tune, not its base
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def apply_method(
@@ -141,8 +155,13 @@ def check_model(name: str | None, device: str | None) -> None:
     """--model and --device, checked before anything loads."""
     if name not in (None, DEFAULT_MODEL):
         local = Path(name).expanduser()
-        if local.exists() and not (local / "config.json").is_file():
-            raise FileNotFoundError(f"--model {name}: {local} exists but holds no config.json (not a checkpoint directory)")
+        if (local / record.FINETUNE_FILE).is_file():
+            record.read_finetune(local)  # a LoRA fine-tune folder: its record names the base and the patch
+        elif local.exists() and not (local / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {name}: {local} holds neither a config.json (a checkpoint directory) nor a "
+                f"{record.FINETUNE_FILE} (a fine-tune folder)"
+            )
     resolve_device(device)
 
 

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rope_ext.arguments import DEFAULT_ROOT
+from rope_ext.record import FINETUNE_FILE, read_finetune
 
 
 class ResultFolder:
@@ -110,6 +111,8 @@ def config_hash(model_as_given: str | None) -> str:
 
     name = resolve_checkpoint(model_as_given)
     local = Path(name).expanduser()  # loading expands ~ too
+    if (local / FINETUNE_FILE).is_file():  # a LoRA fine-tune folder: the config is its base's
+        return config_hash(read_finetune(local)[0])
     path = local / "config.json" if local.is_dir() else Path(cached_file(name, "config.json"))
     config = json.loads(path.read_text(encoding="utf-8"))
     config.pop("transformers_version", None)
