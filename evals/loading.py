@@ -8,6 +8,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import rope_ext
 from rope_ext import method as registry
@@ -163,6 +164,24 @@ def check_model(name: str | None, device: str | None) -> None:
                 f"{record.FINETUNE_FILE} (a fine-tune folder)"
             )
     resolve_device(device)
+
+
+def saved_patch(name: str | None) -> Patch | None:
+    """The patch a local checkpoint (its config.json) or fine-tune folder records, read from its
+    files before it loads; None for none."""
+    if name in (None, DEFAULT_MODEL):
+        return None
+    local = Path(name).expanduser()
+    if (local / record.FINETUNE_FILE).is_file():
+        return record.read_finetune(local)[1]
+    path = local / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model {name}: {path} is not valid JSON ({err})") from None
+    return record.read(SimpleNamespace(**{record.CONFIG_KEY: config.get(record.CONFIG_KEY)}), str(path))
 
 
 def patched(model) -> Patch | None:

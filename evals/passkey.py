@@ -293,13 +293,11 @@ def check_grid(lengths: list[int] | None, depths: list[float], trials: int, max_
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
 
-def check_shareable(name: str | None, factor, params: dict) -> None:
-    """--share-prefix with --method `name`: the refusals of rope_ext.copy_prefix that the method
-    alone decides, before anything loads (a checkpoint loaded with its own patch is checked once
-    it is loaded, before any prompt)."""
-    if name in (None, arguments.PLAIN):
-        return
-    method, _, params = registry.check(name, factor, params)
+def check_shareable(method: Method, params: dict) -> None:
+    """--share-prefix with `method` and its `params` (given, or those a checkpoint was saved with):
+    the refusals of rope_ext.copy_prefix that the method alone decides, before anything loads
+    (model_answerer checks the loaded model once more, before any prompt)."""
+    name = method.name
     if type(method).kv_cache is not Method.kv_cache:
         raise ValueError(
             f"--share-prefix: {name} lets keys go from its KV cache, so no prompt's cache holds the prefix "
@@ -319,7 +317,12 @@ def check(args: argparse.Namespace):
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
     if args.share_prefix:
-        check_shareable(args.method, args.factor, params)
+        saved = loading.saved_patch(args.model) if args.method is None else None
+        if saved is not None:
+            check_shareable(registry.get(saved.method, saved.params), saved.params)
+        elif args.method not in (None, arguments.PLAIN):
+            method, _, checked = registry.check(args.method, args.factor, params)
+            check_shareable(method, checked)
     baseline = None
     if args.baseline is not None:
         baseline = retrieval.read_baseline(args.baseline)

@@ -337,3 +337,17 @@ def test_a_damaged_run_folder_is_one_error_before_the_model_loads(tmp_path, dama
         checkpoint_to_resume(out, str(out / "checkpoints" / resume) if resume != "latest" else resume, cfg, 1, "replicated")
     if "step-4" in words:
         assert f"--resume {out / 'checkpoints' / 'step-2'}" in str(refused.value)  # the complete one before it
+
+
+def test_passkey_share_prefix_reads_the_patch_a_checkpoint_was_saved_with_before_it_loads(no_model, tiny_path, tmp_path, capsys):
+    import rope_ext
+
+    from helpers import load_llama
+
+    model = load_llama(tiny_path)
+    rope_ext.patch(model, "sink_window", factor=4)
+    with pytest.warns(UserWarning):
+        model.save_pretrained(tmp_path / "ckpt")
+    capsys.readouterr()
+    argv = ["eval", "passkey", "--model", str(tmp_path / "ckpt"), "--share-prefix", "--output", str(tmp_path / "k")]
+    assert "--share-prefix: sink_window lets keys go" in cli_error_line(argv, capsys)
