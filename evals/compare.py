@@ -22,7 +22,7 @@ import yaml
 import rope_ext
 from rope_ext import arguments
 from rope_ext.extras import require
-from rope_ext.method.base import check_factor
+from rope_ext.method.base import as_size, check_factor
 
 from . import data as data_mod
 from . import loading, output, passkey, perplexity
@@ -199,6 +199,8 @@ def check(args: argparse.Namespace):
     at factor 2 here and patched at the factor the run finds."""
     if args.factor is not None:
         check_factor(args.factor)
+    if args.chunk_size is not None:
+        as_size(args.chunk_size, "--chunk-size")
     runs = parse_specs(args.methods or default_methods(), args.param)
     for _, method, params in runs:
         loading.check_method(method, None if method == loading.PLAIN else args.factor or 2.0, params)

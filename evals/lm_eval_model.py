@@ -14,7 +14,8 @@ sees this type (importing this module registers it; run it through `rope-ext lm-
 `python -m`, which would register it twice): `main` adds the folder of the tasks shipped here
 (evals/tasks) to the task search path, and runs lm-eval's own command line. From Python, the same
 folder goes to `TaskManager(include_path=TASKS_DIR)`. A built model hands its tokenizer and
-max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it.
+max_length to the tasks (lm_eval_tasks.evaluate_with), which build their documents for it while
+it lives.
 
 lm-eval's RULER tasks build their prompts with a tokenizer they load themselves, named by the
 task metadata's `tokenizer` or `pretrained` key. `main` names the evaluated checkpoint there
@@ -31,12 +32,14 @@ from pathlib import Path
 from rope_ext.extras import require
 
 require("eval", "the rope_ext lm-eval model type", ("lm_eval", "datasets"))
+import torch  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 import rope_ext
 from rope_ext import method as registry
 from rope_ext.defaults import resolve_checkpoint
+from rope_ext.method.base import as_size
 
 from . import lm_eval_tasks, loading
 
@@ -66,6 +69,49 @@ def check_model_args(method: str | None, factor, params: dict) -> float | None:
         return registry.check(method, factor, params)[1]
     except ValueError as err:
         raise ModelArgsError(f"model_args: {err}") from None
+
+
+def check_loading_args(pretrained: str, original_window, max_length, device: str, kwargs: dict) -> None:
+    """The model_args that lm-eval's hf type and from_pretrained would take without a word (a
+    max_length of 0) or fail on deep inside, after the model loaded (a dtype that is none):
+    ModelArgsError naming the key, before anything loads."""
+    for key, value in (("original_window", original_window), ("max_length", max_length)):
+        if value is not None:
+            try:
+                as_size(value, f"model_args {key}")
+            except ValueError as err:
+                raise ModelArgsError(str(err)) from None
+    dtype = kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ModelArgsError(f"model_args dtype={dtype!r} is not a torch dtype (auto, float32, bfloat16, float16, ...)")
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelArgsError(f"model_args device={device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    batch = kwargs.get("batch_size", 1)
+    if not (isinstance(batch, str) and batch.startswith("auto")) and not (str(batch).isdigit() and int(batch) >= 1):
+        raise ModelArgsError(f"model_args batch_size={batch!r} must be a whole number >= 1 or auto")
+    local = Path(pretrained).expanduser()
+    if pretrained.startswith(("/", ".", "~")) and not local.is_dir():  # a hub id starts with none of them
+        raise ModelArgsError(f"model_args pretrained={pretrained!r}: no such folder")
+
+
+def refuse_padded_batches_it_cannot_run(model, batch_size) -> None:
+    """ModelArgsError when lm-eval's batches of `batch_size` prompts would reach a patch that runs
+    one unpadded sequence only: lm-eval left-pads a generation batch, and the patch would refuse
+    it at the first one, mid-run. A two-token padded batch asks the patch itself."""
+    if str(batch_size) == "1":
+        return
+    ids = torch.zeros((2, 2), dtype=torch.long, device=model.device)
+    padding = torch.ones_like(ids)
+    padding[0, 0] = 0
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=padding)
+    except ValueError as err:
+        raise ModelArgsError(
+            f"model_args batch_size={batch_size}: {err} (lm-eval pads a batch's prompts: use batch_size=1)"
+        ) from None
 
 
 def unknown_key(err: TypeError, method: str | None) -> ModelArgsError | None:
@@ -103,6 +149,7 @@ class RopeExtLM(HFLM):
         factor = check_model_args(method, factor, params)
         if device is None or (str(device).startswith("cuda") and not _cuda()):
             device = "cpu"  # lm-eval's default is cuda; a CPU-only machine would fail later, not here
+        check_loading_args(str(pretrained or loading.DEFAULT_MODEL), original_window, max_length, device, kwargs)
         path = resolve_checkpoint(pretrained)
         try:
             super().__init__(pretrained=path, device=device, max_length=max_length, **kwargs)
@@ -111,13 +158,16 @@ class RopeExtLM(HFLM):
             if named is None:
                 raise
             raise named from None
+        except ValueError as err:  # transformers' refusal of a setting, e.g. an unknown attn_implementation
+            raise ModelArgsError(f"model_args: {err}") from None
         if method is None:  # a checkpoint saved after rope_ext.patch, loaded by transformers alone
             self.patch_info = rope_ext.reapply(self.model, path)
         else:
             self.patch_info = loading.apply_method(self.model, method, factor, params, original_window)
         if max_length is None and self.patch_info is not None:
             self._max_length = self.patch_info.max_length
-        lm_eval_tasks.evaluate_with(self.tokenizer, self.max_length)
+        refuse_padded_batches_it_cannot_run(self.model, self.batch_size)
+        lm_eval_tasks.evaluate_with(self)
         log.info("rope_ext: method=%s factor=%s max_length=%d", method, factor, self.max_length)
 
 
@@ -155,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "model", None) == "rope_ext":
             args.metadata = with_task_tokenizer(args.model_args or {}, args.metadata or {})
         cli.execute(args)
-    except ModelArgsError as err:
+    except (ModelArgsError, lm_eval_tasks.NoModel) as err:
         print(f"rope-ext lm-eval: error: {err}", file=sys.stderr)
         return 2
     finally:

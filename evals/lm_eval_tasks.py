@@ -4,8 +4,11 @@
 The tasks build their documents for the model they evaluate: its tokenizer and the max_length the
 rope_ext model type runs with (the patch's). lm-eval gives a task no handle on the model, and the
 metadata a task receives holds the model_args only when `simple_evaluate` makes the TaskManager
-itself, so the rope_ext model type hands both over when it is built (`evaluate_with`); lm-eval
-builds a run's model before its tasks. Options come through --metadata (or TaskManager(metadata=)):
+itself, so the rope_ext model type hands itself over when it is built (`evaluate_with`); lm-eval
+builds a run's model before its tasks. The tasks hold it by a weak reference: once that model is
+gone (its run is over), a later run of another model type, lm-eval's `hf` say, is refused rather
+than given documents built for the earlier model. Options come through --metadata (or
+TaskManager(metadata=)):
 
 rope_ext_passkey   passkey_lengths (default: powers of two from max_length/8 up to max_length),
                    passkey_depths (default 0.1 0.3 0.5 0.7 0.9), passkey_trials (5), passkey_seed (0)
@@ -16,6 +19,7 @@ rope_ext_longppl   longppl_path (a local text file or folder) or longppl_docs (e
 from __future__ import annotations
 
 import re
+import weakref
 
 import datasets
 
@@ -28,24 +32,30 @@ LENGTH_LADDER = tuple(64 * 2**k for k in range(12))  # 64 ... 131072
 ANSWER_TOKENS = 10  # = generation_kwargs.max_gen_toks in rope_ext_passkey.yaml
 HELDOUT_PLAYS = ("macbeth_gut", "tempest_gut", "twelfth_night_gut", "julius_caesar_gut")
 
-_evaluated: dict = {}  # the tokenizer and max_length of the rope_ext model built last
+_evaluated = None  # a weak reference to the rope_ext model built last
 
 
-def evaluate_with(tokenizer, max_length: int) -> None:
-    """Build the tasks' documents for this tokenizer and max_length (the rope_ext model type calls
-    it once it is built)."""
-    _evaluated.update(tokenizer=tokenizer, max_length=max_length)
+class NoModel(ValueError):
+    """A task built while no rope_ext model is alive: `rope-ext lm-eval` prints it as one line."""
+
+
+def evaluate_with(model) -> None:
+    """Build the tasks' documents for this rope_ext model, its tokenizer and max_length, while it
+    lives (the rope_ext model type calls it once it is built)."""
+    global _evaluated
+    _evaluated = weakref.ref(model)
 
 
 def evaluated_model(task: str) -> tuple:
-    """(tokenizer, max_length) of the evaluated model; ValueError when no rope_ext model exists."""
-    if not _evaluated:
-        raise ValueError(
+    """(tokenizer, max_length) of the evaluated model; NoModel when no rope_ext model is alive."""
+    model = None if _evaluated is None else _evaluated()
+    if model is None:
+        raise NoModel(
             f"{task}: the task builds its documents with the evaluated model's tokenizer and max_length, and no "
-            "rope_ext model has been built in this process; evaluate it with model='rope_ext' "
+            "rope_ext model has been built in this process, or none is alive (the last one's run is over); evaluate it with model='rope_ext' "
             "(after `import rope_ext.evals.lm_eval_model`)"
         )
-    return _evaluated["tokenizer"], _evaluated["max_length"]
+    return model.tokenizer, model.max_length
 
 
 def passkey_lengths(metadata: dict, tokenizer, top: int) -> list[int]:
@@ -94,10 +104,11 @@ def passkey_results(doc: dict, results: list[str]) -> dict:
     return {"exact_match": correct, **{f"acc_{n}": correct if n == doc["length"] else None for n in doc["lengths"]}}
 
 
-def scored_mean(items: list) -> float:
-    """The mean over the documents of one length (the acc_<length> aggregation)."""
+def scored_mean(items: list) -> float | None:
+    """The mean over the documents of one length (the acc_<length> aggregation); None for a length
+    none of the documents run has (lm-eval's --limit takes the first documents only)."""
     scored = [x for x in items if x is not None]
-    return sum(scored) / len(scored)
+    return sum(scored) / len(scored) if scored else None
 
 
 def longppl_dataset(**metadata) -> dict:

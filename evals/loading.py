@@ -4,8 +4,11 @@ many positions it is meant for."""
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import rope_ext
 from rope_ext import method as registry
@@ -14,6 +17,7 @@ from rope_ext.chunked import chunking_refusal
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 from rope_ext.patching import installed_patch
+from rope_ext import record
 from rope_ext.record import Patch
 
 
@@ -83,6 +87,8 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
         from rope_ext.defaults import load_smollm2
 
         model, tokenizer = load_smollm2(dtype=torch_dtype, attn_implementation=attn_implementation)
+    elif (Path(name).expanduser() / record.FINETUNE_FILE).is_file():
+        model, tokenizer = load_finetuned(Path(name).expanduser(), torch_dtype, attn_implementation)
     else:
         check_model(name, device)
         local = Path(name).expanduser()
@@ -96,6 +102,17 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
                 f"cannot load model {name!r}: it is not a local checkpoint directory and the hub did not provide it ({err})"
             ) from None
     return model.to(device).eval(), tokenizer
+
+
+def load_finetuned(folder: Path, dtype, attn_implementation: str):
+    """(model, tokenizer) of a LoRA fine-tune folder (the recipe's --out): its base, the patch it
+    was trained under and the adapter (rope_ext.load_finetuned), the adapter folded into the
+    weights so that the model is a plain patched one to every eval; named after the folder."""
+    from transformers import AutoTokenizer
+
+    model = rope_ext.load_finetuned(folder, merge=True, dtype=dtype, attn_implementation=attn_implementation)
+    model.config._name_or_path = str(folder.resolve())  # the results name the fine-tune, not its base
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def apply_method(
@@ -140,9 +157,32 @@ def check_model(name: str | None, device: str | None) -> None:
     """--model and --device, checked before anything loads."""
     if name not in (None, DEFAULT_MODEL):
         local = Path(name).expanduser()
-        if local.exists() and not (local / "config.json").is_file():
-            raise FileNotFoundError(f"--model {name}: {local} exists but holds no config.json (not a checkpoint directory)")
+        if (local / record.FINETUNE_FILE).is_file():
+            record.read_finetune(local)  # a LoRA fine-tune folder: its record names the base and the patch
+        elif local.exists() and not (local / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {name}: {local} holds neither a config.json (a checkpoint directory) nor a "
+                f"{record.FINETUNE_FILE} (a fine-tune folder)"
+            )
     resolve_device(device)
+
+
+def saved_patch(name: str | None) -> Patch | None:
+    """The patch a local checkpoint (its config.json) or fine-tune folder records, read from its
+    files before it loads; None for none."""
+    if name in (None, DEFAULT_MODEL):
+        return None
+    local = Path(name).expanduser()
+    if (local / record.FINETUNE_FILE).is_file():
+        return record.read_finetune(local)[1]
+    path = local / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model {name}: {path} is not valid JSON ({err})") from None
+    return record.read(SimpleNamespace(**{record.CONFIG_KEY: config.get(record.CONFIG_KEY)}), str(path))
 
 
 def patched(model) -> Patch | None:
@@ -222,6 +262,24 @@ def check_chunking(method: str | None, factor, params: dict) -> None:
     reason = chunking_refusal(spec, checked)
     if reason is not None:
         raise ValueError(f"--chunk-size: {reason}")
+
+
+def checkpoint_digest(model) -> str:
+    """The first 16 hex digits of a sha256 over the model's config (without the path it was
+    loaded from and the transformers version) and every parameter's name, dtype, shape and bytes:
+    what tells two checkpoints apart when their folders share a name. The same checkpoint, dtype
+    and patch give the same digest on any device."""
+    import torch
+
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version"):
+        config.pop(volatile, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
+    for name, parameter in model.named_parameters():
+        digest.update(f"{name}:{parameter.dtype}:{tuple(parameter.shape)}".encode("utf-8"))
+        data = parameter.detach().reshape(-1).contiguous().cpu()
+        digest.update(data.view(torch.uint8).numpy().data)
+    return digest.hexdigest()[:16]
 
 
 def check_model_args(args) -> dict:

@@ -10,11 +10,13 @@ import hashlib
 import json
 import math
 import subprocess
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from rope_ext.arguments import DEFAULT_ROOT
+from rope_ext.record import FINETUNE_FILE, read_finetune
 
 
 class ResultFolder:
@@ -34,6 +36,14 @@ class ResultFolder:
     def claim(self) -> "ResultFolder":
         if self.folder.exists() and not self.folder.is_dir():
             raise ValueError(f"--output {self.folder} is a file, not a folder")
+        # the folder is made by the first write, after the measurement: where it would go must take files now
+        nearest = next(p for p in (self.folder, *self.folder.parents) if p.exists())
+        if not nearest.is_dir():
+            raise ValueError(f"--output {self.folder}: {nearest} is a file, not a folder")
+        try:
+            tempfile.TemporaryFile(dir=nearest).close()
+        except OSError as err:
+            raise ValueError(f"--output {self.folder}: cannot write in {nearest} ({err.strerror or err})") from None
         existing = [n for n in self.names if self.path(n).exists()]
         if existing and not self.overwrite:
             raise FileExistsError(
@@ -103,6 +113,8 @@ def config_hash(model_as_given: str | None) -> str:
 
     name = resolve_checkpoint(model_as_given)
     local = Path(name).expanduser()  # loading expands ~ too
+    if (local / FINETUNE_FILE).is_file():  # a LoRA fine-tune folder: the config is its base's
+        return config_hash(read_finetune(local)[0])
     path = local / "config.json" if local.is_dir() else Path(cached_file(name, "config.json"))
     config = json.loads(path.read_text(encoding="utf-8"))
     config.pop("transformers_version", None)

@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
+from rope_ext import method as registry
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
+from rope_ext.method.base import Method
 
 from . import loading, output, retrieval
 
@@ -41,6 +43,8 @@ KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 KEY_RANGE = (1, 50000)
 PARTIAL = "passkey.partial.json"  # the trials answered so far, while a run goes on
+# what --resume reads of each kept trial; `predicted` and `correct` are derived again from these
+KEPT_FIELDS = {"length": int, "depth": (int, float), "trial": int, "key": int, "answer": str}
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,9 @@ def run_trials(
 
 
 def kept_trials(answered, cells: list, seed: int) -> dict:
-    """{cell: record} of the earlier trials that belong to this grid; ValueError when one holds a
-    key this seed would not draw (it came from another grid)."""
+    """{cell: record} of the earlier trials that belong to this grid, each scored again from its
+    stored answer and key (a record's own `correct` is not trusted: the file may have been edited);
+    ValueError when one holds a key this seed would not draw (it came from another grid)."""
     wanted, kept = set(cells), {}
     for r in answered:
         cell = (r["length"], r["depth"], r["trial"])
@@ -218,7 +223,8 @@ def kept_trials(answered, cells: list, seed: int) -> dict:
             continue
         if r["key"] != trial_key(seed, *cell):
             raise ValueError(f"the kept trial {cell} has key {r['key']}, not seed {seed}'s {trial_key(seed, *cell)}")
-        kept[cell] = r
+        predicted = first_integer(r["answer"])
+        kept[cell] = {**r, "predicted": predicted, "correct": predicted == r["key"]}
     return kept
 
 
@@ -287,12 +293,36 @@ def check_grid(lengths: list[int] | None, depths: list[float], trials: int, max_
         raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
 
+def check_shareable(method: Method, params: dict) -> None:
+    """--share-prefix with `method` and its `params` (given, or those a checkpoint was saved with):
+    the refusals of rope_ext.copy_prefix that the method alone decides, before anything loads
+    (model_answerer checks the loaded model once more, before any prompt)."""
+    name = method.name
+    if type(method).kv_cache is not Method.kv_cache:
+        raise ValueError(
+            f"--share-prefix: {name} lets keys go from its KV cache, so no prompt's cache holds the prefix "
+            "another shares; run without --share-prefix"
+        )
+    if method.dynamic and params.get("causal", True) is False:
+        raise ValueError(
+            f"--share-prefix: {name} with causal=False scales every query for the whole prompt's length, so a "
+            "prefix is not computed as inside another prompt; run without --share-prefix or with causal=True"
+        )
+
+
 def check(args: argparse.Namespace):
     """(method parameters, result folder): every argument checked before the model loads."""
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     check_grid(args.lengths, args.depths, args.trials, args.max_new_tokens)
     params = loading.check_model_args(args)
+    if args.share_prefix:
+        saved = loading.saved_patch(args.model) if args.method is None else None
+        if saved is not None:
+            check_shareable(registry.get(saved.method, saved.params), saved.params)
+        elif args.method not in (None, arguments.PLAIN):
+            method, _, checked = registry.check(args.method, args.factor, params)
+            check_shareable(method, checked)
     baseline = None
     if args.baseline is not None:
         baseline = retrieval.read_baseline(args.baseline)
@@ -310,7 +340,30 @@ def stopped_run(args: argparse.Namespace, out: output.ResultFolder) -> dict | No
     path = out.path(PARTIAL)
     if not path.is_file():
         raise FileNotFoundError(f"--resume: {path} does not exist (a finished run removes it)")
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_partial(path)
+
+
+def read_partial(path) -> dict:
+    """A stopped run's PARTIAL file, checked as far as --resume reads it; ValueError naming the
+    file and what is wrong with it."""
+    text = path.read_text(encoding="utf-8")
+    again = "; run without --resume to start over"
+    try:
+        stopped = json.loads(text)
+    except json.JSONDecodeError as err:
+        what = "is empty" if not text.strip() else f"is not valid JSON, cut short or edited ({err})"
+        raise ValueError(f"--resume: {path} {what}{again}") from None
+    if not isinstance(stopped, dict) or not isinstance(stopped.get("setup"), dict) or not isinstance(stopped.get("trials"), list):
+        raise ValueError(f"--resume: {path} holds no 'setup' object and 'trials' list: not a passkey partial file{again}")
+    seconds = stopped["setup"].get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ValueError(f"--resume: {path}: its setup records no 'seconds' (a number){again}")
+    for index, trial in enumerate(stopped["trials"]):
+        fields = trial if isinstance(trial, dict) else {}
+        bad = [k for k, kind in KEPT_FIELDS.items() if isinstance(fields.get(k), bool) or not isinstance(fields.get(k), kind)]
+        if bad:
+            raise ValueError(f"--resume: {path}: trial {index} has no valid {', '.join(bad)}{again}")
+    return stopped
 
 
 def same_setup(stopped: dict, setup: dict) -> None:
@@ -319,8 +372,9 @@ def same_setup(stopped: dict, setup: dict) -> None:
     ours = output.clean_json(setup)
     differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
     if differ:
+        what = " (another checkpoint: its weights or config)" if "checkpoint_sha256" in differ else ""
         raise ValueError(
-            f"--resume: the stopped run had another setup ({', '.join(differ)} differ); "
+            f"--resume: the stopped run had another setup ({', '.join(differ)} differ{what}); "
             "run it with the same model, method, parameters and grid options"
         )
 
@@ -343,6 +397,8 @@ def run(args: argparse.Namespace, plan) -> int:
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "share_prefix": args.share_prefix,
+        # the weights and config measured: a folder's name alone does not tell two checkpoints apart
+        "checkpoint_sha256": loading.checkpoint_digest(model),
     }
     earlier = 0.0
     if stopped is not None:

@@ -7,6 +7,8 @@ The choices the commands check against live here too, where the help shows them.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoint, where a name is expected
 
@@ -20,6 +22,72 @@ DEFAULT_ROOT = "rope-ext-results"
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 ROPE_RATIO_MEANINGS = ("base", "positions")
 METHOD_HELP = "a method that `rope-ext methods` lists"
+# The names rope_ext.method registers, in its order (tests/test_cli.py holds the two equal): known
+# here, a misspelt method is answered before torch, transformers or lm-eval load.
+METHOD_NAMES = (
+    "linear",
+    "ntk",
+    "dynamic",
+    "yarn",
+    "dynamic_yarn",
+    "ntk_by_parts",
+    "ntk_alpha",
+    "proportional",
+    "llama3",
+    "longrope",
+    "alibi_hybrid",
+    "self_extend",
+    "rerope",
+    "string",
+    "dca",
+    "sink_window",
+)
+
+
+def unknown_method(names: list) -> str | None:
+    """The error for the first of `names` that is neither plain nor a registered method, with the
+    registered names closest to it; None when every one is known."""
+    for name in names:
+        if name == PLAIN or name in METHOD_NAMES:
+            continue
+        close = difflib.get_close_matches(str(name), METHOD_NAMES, n=2)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        return f"unknown method {name!r}{hint}; valid methods: {', '.join(METHOD_NAMES)}"
+    return None
+
+
+def named_methods(command: str, args: argparse.Namespace) -> list:
+    """The method names the parsed arguments of `command` give."""
+    if command in ("eval ppl", "eval passkey"):
+        return [] if args.method is None else [args.method]
+    if command == "compare":
+        return [spec.partition(":")[0] for spec in args.methods or []]
+    if command == "demo":
+        return [m.strip() for m in args.methods.split(",") if m.strip()]
+    return []
+
+
+def lm_eval_method(argv: list[str]) -> list:
+    """The method in the --model_args (KEY=VALUE,... or a JSON object) of an lm-eval command line
+    that evaluates --model rope_ext."""
+    values = {}
+    for flag in ("--model", "--model_args"):
+        for index, token in enumerate(argv):
+            if token == flag and index + 1 < len(argv):
+                values[flag] = argv[index + 1]
+            elif token.startswith(flag + "="):
+                values[flag] = token.partition("=")[2]
+    text = values.get("--model_args", "")
+    if values.get("--model") != "rope_ext" or not text:
+        return []
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError:
+            return []  # lm-eval's own parser says what is wrong
+        return [given["method"]] if isinstance(given, dict) and given.get("method") else []
+    pairs = dict(item.partition("=")[::2] for item in text.split(","))
+    return [pairs["method"].strip()] if pairs.get("method", "").strip() else []
 
 
 def model_arguments(parser, *, method: bool = True) -> None:

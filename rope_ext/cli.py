@@ -151,11 +151,19 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE
         if argv[0] == FINETUNE:
             return finetune(argv[1:])
+        misspelt = arguments.unknown_method(arguments.lm_eval_method(argv[1:]))
+        if misspelt:
+            print(f"rope-ext {LM_EVAL}: error: {misspelt}", file=sys.stderr)
+            return USAGE
         from rope_ext.evals.lm_eval_model import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = build_parser(selected(argv)).parse_args(argv)
     name = " ".join(filter(None, (args.command, getattr(args, "subcommand", None))))
+    misspelt = arguments.unknown_method(arguments.named_methods(name, args))  # before the command's module loads torch
+    if misspelt:
+        print(f"rope-ext {name}: error: {misspelt}", file=sys.stderr)
+        return USAGE
     try:
         extras.require_for_command(name)
         target = importlib.import_module(COMMANDS[name][0])

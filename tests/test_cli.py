@@ -4,6 +4,7 @@ fine-tune recipe's flags and defaults."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -198,3 +199,155 @@ def test_precision_defers_to_accelerate_unless_set():
     assert choose_precision(cfg["training"]["precision"]) == "bf16"
     cfg, _ = parse_args(["--precision", "auto"])
     assert choose_precision(cfg["training"]["precision"]) in ("bf16", "fp16", "no")
+
+
+# Late failures (issue #29): found by `check`, before a model loads.
+
+COMMANDS_WITH_OUTPUT = [
+    ["eval", "ppl", "--lengths", "64"],
+    ["eval", "passkey"],
+    ["compare", "--methods", "plain"],
+    ["demo"],
+]
+
+
+@pytest.mark.parametrize("argv", COMMANDS_WITH_OUTPUT, ids=["ppl", "passkey", "compare", "demo"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(no_model, tmp_path, capsys, argv):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    line = cli_error_line([*argv, "--output", str(blocker / "results")], capsys)
+    assert str(blocker) in line and "not a folder" in line
+    line = cli_error_line([*argv, "--output", "/proc/rope-ext-results"], capsys)  # no file can be made there, even by root
+    assert "cannot write in /proc" in line
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--method", "sink_window", "--factor", "4"], "sink_window lets keys go"),
+        (["--method", "dynamic", "--factor", "4", "--param", "causal=false"], "causal=False"),
+    ],
+)
+def test_passkey_share_prefix_refuses_a_method_that_cannot_share_before_the_model_loads(no_model, tmp_path, capsys, argv, words):
+    line = cli_error_line(["eval", "passkey", "--share-prefix", *argv, "--output", str(tmp_path / "k")], capsys)
+    assert "--share-prefix" in line and words in line
+
+
+def test_compare_checks_the_chunk_size_before_the_model_loads(no_model, tmp_path, capsys):
+    assert "--chunk-size" in cli_error_line(["compare", "--chunk-size", "0", "--output", str(tmp_path / "c")], capsys)
+
+
+# A typo in a method name is answered before torch, transformers or lm-eval load (issue #29).
+
+
+def test_the_method_names_known_without_torch_are_the_registered_ones():
+    import rope_ext
+    from rope_ext import arguments
+
+    assert arguments.METHOD_NAMES == tuple(rope_ext.methods())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "passkey", "--method", "yran", "--factor", "4"],
+        ["eval", "ppl", "--lengths", "64", "--method", "yran", "--factor", "4"],
+        ["compare", "--methods", "plain", "yran:beta_fast=16"],
+        ["demo", "--methods", "plain,yran"],
+        ["lm-eval", "run", "--model", "rope_ext", "--model_args", "method=yran,factor=4", "--tasks", "rope_ext_passkey"],
+    ],
+    ids=["passkey", "ppl", "compare", "demo", "lm-eval"],
+)
+def test_a_misspelt_method_is_answered_before_torch_loads(argv):
+    code = (
+        "import sys\nfrom rope_ext import cli\n"
+        f"code = cli.main({argv!r})\n"
+        "print(code, sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'lm_eval', 'peft'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "2 []"
+    command = "lm-eval" if argv[0] == "lm-eval" else " ".join(argv[: 2 if argv[0] == "eval" else 1])
+    assert done.stderr.strip() == (
+        f"rope-ext {command}: error: unknown method 'yran' (did you mean 'yarn'?); valid methods: "
+        "linear, ntk, dynamic, yarn, dynamic_yarn, ntk_by_parts, llama3, alibi_hybrid, self_extend, rerope, string, dca, sink_window"
+    )
+
+
+# A fine-tune run folder whose files were cut short or lost (issue #29): one error before the model
+# loads, naming the file.
+
+
+def _run_folder(tmp_path, steps=(2, 4)):
+    """A run folder as the recipe leaves it (one process): run_config.json and complete checkpoints."""
+    import json
+
+    from rope_ext.training.checkpoints import TRAINED_STATE
+    from rope_ext.training.config import config_digest
+
+    cfg, _ = parse_args([])
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"config": cfg, "config_digest": config_digest(cfg), "data_parallel_size": 1, "checkpoint_layout": "replicated"}
+    (out / "run_config.json").write_text(json.dumps(record, default=str))
+    for step in steps:
+        folder = out / "checkpoints" / f"step-{step}"
+        folder.mkdir(parents=True)
+        state = {"step": step, "config_digest": config_digest(cfg), "evals": [], "history": []}
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+        (folder / TRAINED_STATE).write_bytes(b"")
+    return cfg, out
+
+
+def _cut_short(path):
+    path.write_text(path.read_text()[:20])
+
+
+@pytest.mark.parametrize(
+    "damage, resume, words",
+    [
+        (lambda out: _cut_short(out / "run_config.json"), "latest", "run_config.json is not valid JSON"),
+        (lambda out: (out / "run_config.json").write_text("{}"), "latest", "run_config.json has no valid config"),
+        (
+            lambda out: _cut_short(out / "checkpoints/step-4/trainer_state.json"),
+            "latest",
+            "step-4/trainer_state.json is not valid JSON",
+        ),
+        (lambda out: (out / "checkpoints/step-4/trainer_state.json").write_text("[]"), "latest", "has no valid step"),
+        (
+            lambda out: _cut_short(out / "checkpoints/step-4/trainer_state.json"),
+            "step-4",
+            "step-4/trainer_state.json is not valid JSON",
+        ),
+        (
+            lambda out: (out / "checkpoints/step-4/trained_state.safetensors").unlink(),
+            "latest",
+            "step-4 holds no trained_state.safetensors",
+        ),
+    ],
+    ids=["run-config-cut", "run-config-empty", "state-cut", "state-not-a-record", "named-state-cut", "weights-lost"],
+)
+def test_a_damaged_run_folder_is_one_error_before_the_model_loads(tmp_path, damage, resume, words):
+    from rope_ext.training.checkpoints import checkpoint_to_resume
+    from rope_ext.training.config import ConfigError
+
+    cfg, out = _run_folder(tmp_path)
+    assert checkpoint_to_resume(out, "latest", cfg, 1, "replicated") == out / "checkpoints" / "step-4"
+    damage(out)
+    with pytest.raises(ConfigError, match=re.escape(words)) as refused:
+        checkpoint_to_resume(out, str(out / "checkpoints" / resume) if resume != "latest" else resume, cfg, 1, "replicated")
+    if "step-4" in words:
+        assert f"--resume {out / 'checkpoints' / 'step-2'}" in str(refused.value)  # the complete one before it
+
+
+def test_passkey_share_prefix_reads_the_patch_a_checkpoint_was_saved_with_before_it_loads(no_model, tiny_path, tmp_path, capsys):
+    import rope_ext
+
+    from helpers import load_llama
+
+    model = load_llama(tiny_path)
+    rope_ext.patch(model, "sink_window", factor=4)
+    with pytest.warns(UserWarning):
+        model.save_pretrained(tmp_path / "ckpt")
+    capsys.readouterr()
+    argv = ["eval", "passkey", "--model", str(tmp_path / "ckpt"), "--share-prefix", "--output", str(tmp_path / "k")]
+    assert "--share-prefix: sink_window lets keys go" in cli_error_line(argv, capsys)

@@ -46,6 +46,10 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
             "(method, factor, original_window, max_length, and yarn's ",
         ),
         ("bogus=1", "model_args key 'bogus' is not an argument"),
+        ("max_length=0", "model_args max_length must be an int in [1, "),
+        ("method=yarn,factor=2,original_window=abc", "model_args original_window must be an int in [1, "),
+        ("dtype=nope", "model_args dtype='nope' is not a torch dtype"),
+        ("attn_implementation=bogus", 'model_args: Specified `attn_implementation="bogus"` is not supported'),
     ],
 )
 def test_bad_model_args_end_in_one_line(tiny_path, capsys, model_args, message):
@@ -176,6 +180,91 @@ def test_python_route_builds_the_tasks_for_the_evaluated_model(tiny_path, tiny_t
 def test_tasks_refuse_without_a_rope_ext_model(monkeypatch):
     from rope_ext.evals import lm_eval_tasks
 
-    monkeypatch.setattr(lm_eval_tasks, "_evaluated", {})
+    monkeypatch.setattr(lm_eval_tasks, "_evaluated", None)
     with pytest.raises(ValueError, match="rope_ext_passkey: .* no rope_ext model has been built"):
         lm_eval_tasks.passkey_dataset(passkey_lengths=[128])
+
+
+def test_tasks_do_not_serve_a_model_built_after_the_rope_ext_one(tiny_path):
+    """One process: a rope_ext model (yarn x2, max_length 256) evaluated and let go, then lm-eval's
+    own hf type (max_length 128). The tasks must not build their documents for the first model."""
+    from lm_eval.models.huggingface import HFLM
+
+    from rope_ext.evals import lm_eval_tasks
+
+    options = dict(passkey_depths=[0.5], passkey_trials=1)
+    lm = RopeExtLM(pretrained=str(tiny_path), method="yarn", factor=2)
+    assert lm_eval_tasks.passkey_dataset(**options)["test"]["length"][-1] == 256
+    del lm
+    hf = HFLM(pretrained=str(tiny_path), device="cpu")
+    assert hf.max_length == 128
+    with pytest.raises(ValueError, match="rope_ext_passkey: .* no rope_ext model"):
+        lm_eval_tasks.passkey_dataset(**options)
+
+
+@pytest.mark.integration
+def test_an_hf_run_after_a_rope_ext_run_is_refused(tiny_path, tmp_path, capsys):
+    """Two `rope-ext lm-eval` runs in one process, the second with lm-eval's hf type: one error
+    line, not passkey prompts built for the first run's model."""
+    common = ["--tasks", "rope_ext_passkey", "--metadata", json.dumps({"passkey_depths": [0.5], "passkey_trials": 1})]
+    assert main(["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=2", *common]) == 0
+    capsys.readouterr()
+    assert main(["run", "--model", "hf", "--model_args", f"pretrained={tiny_path}", *common]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rope-ext lm-eval: error: rope_ext_passkey: ") and "no rope_ext model" in err[-1]
+
+
+def test_a_length_without_documents_scores_none():
+    from rope_ext.evals import lm_eval_tasks
+
+    assert lm_eval_tasks.scored_mean([1.0, None, 0.0]) == 0.5
+    assert lm_eval_tasks.scored_mean([None, None]) is None  # --limit stopped before this length
+
+
+@pytest.mark.integration
+def test_limit_below_the_number_of_lengths(tiny_path, tmp_path):
+    """--limit 2 over three lengths: the first two lengths are scored, the third reports None."""
+    metadata = {"passkey_lengths": [128, 256, 512], "passkey_depths": [0.5], "passkey_trials": 1}
+    out = tmp_path / "lm_eval"
+    argv = ["run", "--model", "rope_ext", "--model_args", f"pretrained={tiny_path},method=yarn,factor=4"]
+    argv += ["--tasks", "rope_ext_passkey", "--limit", "2", "--metadata", json.dumps(metadata), "--output_path", str(out)]
+    assert main(argv) == 0
+    (results_file,) = out.rglob("results_*.json")
+    passkey = json.loads(results_file.read_text())["results"]["rope_ext_passkey"]
+    assert 0.0 <= passkey["acc_128,first_integer"] <= 1.0 and 0.0 <= passkey["acc_256,first_integer"] <= 1.0
+    assert passkey["acc_512,first_integer"] is None
+
+
+@pytest.mark.parametrize(
+    "model_args, message",
+    [
+        ({"method": "yarn", "factor": 2, "original_window": "abc"}, "model_args original_window must be an int"),
+        ({"max_length": "abc"}, "model_args max_length must be an int"),
+        ({"max_length": 0}, "model_args max_length must be an int"),
+        ({"dtype": "nope"}, "model_args dtype='nope' is not a torch dtype"),
+        ({"device": "nope"}, "model_args device='nope' is not a device"),
+        ({"batch_size": "x"}, "model_args batch_size='x' must be a whole number >= 1 or auto"),
+        ({"pretrained": "/nonexistent/checkpoint"}, "model_args pretrained='/nonexistent/checkpoint': no such folder"),
+    ],
+)
+def test_bad_model_args_are_refused_before_the_model_loads(tiny_path, monkeypatch, model_args, message):
+    from lm_eval.models.huggingface import HFLM
+
+    from rope_ext.evals.lm_eval_model import ModelArgsError
+
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(ModelArgsError, match=f"^{re.escape(message)}"):
+        RopeExtLM(**{"pretrained": str(tiny_path), **model_args})
+
+
+@pytest.mark.parametrize("method", ["dca", "sink_window"])
+def test_a_method_that_takes_one_sequence_refuses_a_batch_size_above_one(tiny_path, method):
+    """lm-eval left-pads the prompts of a generation batch; these methods run one unpadded
+    sequence, so batch_size > 1 would crash at the first padded batch, after the model loaded and
+    the tasks were built."""
+    from rope_ext.evals.lm_eval_model import ModelArgsError
+
+    with pytest.raises(ModelArgsError, match=f"^model_args batch_size=2: {method}: positions must be those of one unpadded"):
+        RopeExtLM(pretrained=str(tiny_path), method=method, factor=4, batch_size=2)
+    assert RopeExtLM(pretrained=str(tiny_path), method=method, factor=4, batch_size=1).batch_size == 1
+    assert RopeExtLM(pretrained=str(tiny_path), method="yarn", factor=4, batch_size=2).batch_size == 2

@@ -202,7 +202,8 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
 
 def test_kept_trials_from_another_seed_are_refused():
     cell = (120, 0.5, 0)
-    record = {"length": 120, "depth": 0.5, "trial": 0, "key": passkey.trial_key(3, *cell)}
+    key = passkey.trial_key(3, *cell)
+    record = {"length": 120, "depth": 0.5, "trial": 0, "key": key, "answer": f" {key}.", "predicted": key, "correct": True}
     assert passkey.kept_trials([record], [cell], seed=3) == {cell: record}
     assert passkey.kept_trials([record], [(120, 0.2, 0)], seed=0) == {}  # not in this grid: left out
     with pytest.raises(ValueError, match="not seed 0's"):
@@ -270,3 +271,119 @@ def test_share_prefix_is_refused_for_a_cache_that_lets_keys_go(tiny_model, tiny_
     rope_ext.patch(tiny_model, "sink_window", factor=4, sinks=2, window=60)
     with pytest.raises(ValueError, match="keeps every key"):
         passkey.model_answerer(tiny_model, tiny_tokenizer, share_prefix=True)
+
+
+# --resume reads a file a person may have moved, edited or cut short (issue #29).
+
+
+def _stopped_run(tiny_path, out, monkeypatch, model=None, stop_after: int = 2, extra=()) -> list:
+    """Run the 4-trial grid on `model` (default: the tiny model) with an oracle answerer stopped
+    after `stop_after` trials (None: not stopped); the prompts it was asked."""
+    asked = []
+
+    def answerer(*args, **kwargs):
+        def answer(prompt):
+            if len(asked) == stop_after:
+                raise KeyboardInterrupt
+            asked.append(prompt)
+            return f" {prompt.key}."
+
+        return answer
+
+    monkeypatch.setattr(passkey, "model_answerer", answerer)
+    argv = [
+        "--model",
+        str(model or tiny_path),
+        "--lengths",
+        "120",
+        "--depths",
+        "0.2",
+        "0.8",
+        "--trials",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--output",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
+    if stop_after is None:
+        assert passkey.main(argv) == 0
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            passkey.main(argv)
+    return asked
+
+
+def _copy_of_tiny(tiny_path, folder, perturb: bool = False, **config):
+    """The tiny checkpoint saved again under `folder` (a folder named `model`), one norm weight
+    perturbed with `perturb`, config values changed with `config`."""
+    from helpers import load_llama
+    from transformers import AutoTokenizer
+
+    model = load_llama(tiny_path)
+    if perturb:
+        with torch.no_grad():
+            model.model.norm.weight[0] += 0.01
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    path = folder / "model"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("change", [{"perturb": True}, {"rms_norm_eps": 1e-3}], ids=["weights", "config"])
+def test_resume_refuses_the_partial_file_of_another_checkpoint_of_the_same_name(tiny_path, tmp_path, monkeypatch, change):
+    first = _copy_of_tiny(tiny_path, tmp_path / "a")
+    other = _copy_of_tiny(tiny_path, tmp_path / "b", **change)
+    out = tmp_path / "pk"
+    _stopped_run(tiny_path, out, monkeypatch, model=first)
+    stopped = (out / passkey.PARTIAL).read_text()
+    with pytest.raises(ValueError, match="checkpoint_sha256 differ \\(another checkpoint"):
+        _stopped_run(tiny_path, out, monkeypatch, model=other, stop_after=None, extra=["--resume"])
+    assert (out / passkey.PARTIAL).read_text() == stopped and not (out / "passkey.json").exists()
+    _stopped_run(tiny_path, out, monkeypatch, model=first, stop_after=None, extra=["--resume"])  # its own checkpoint resumes
+    assert len(json.loads((out / "passkey.json").read_text())["trials"]) == 4
+
+
+def test_resume_scores_kept_trials_from_their_answer_and_key(tiny_path, tmp_path, monkeypatch):
+    out = tmp_path / "pk"
+    _stopped_run(tiny_path, out, monkeypatch)
+    stopped = json.loads((out / passkey.PARTIAL).read_text())
+    stopped["trials"][0]["answer"] = " 7."  # edited by hand: the answer no longer holds the key, `correct` still says so
+    (out / passkey.PARTIAL).write_text(json.dumps(stopped))
+    _stopped_run(tiny_path, out, monkeypatch, stop_after=None, extra=["--resume"])
+    result = json.loads((out / "passkey.json").read_text())
+    edited = next(t for t in result["trials"] if (t["depth"], t["trial"]) == (stopped["trials"][0]["depth"], 0))
+    assert edited["predicted"] == 7 and edited["correct"] is False
+    assert result["accuracy_overall"] == 0.75
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda text: "", "is empty"),
+        (lambda text: text[: len(text) // 2], "is not valid JSON, cut short or edited"),
+        (lambda text: json.dumps({"trials": []}), "holds no 'setup' object and 'trials' list"),
+        (
+            lambda text: json.dumps(
+                {**json.loads(text), "trials": [{k: v for k, v in t.items() if k != "key"} for t in json.loads(text)["trials"]]}
+            ),
+            "trial 0 has no valid key",
+        ),
+    ],
+    ids=["empty", "truncated", "no-setup", "no-key"],
+)
+def test_resume_names_the_file_and_what_is_wrong_before_the_model_loads(tiny_path, tmp_path, monkeypatch, capsys, damage, words):
+    from helpers import cli_error_line
+
+    out = tmp_path / "pk"
+    _stopped_run(tiny_path, out, monkeypatch)
+    path = out / passkey.PARTIAL
+    path.write_text(damage(path.read_text()))
+    monkeypatch.setattr(passkey.loading, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    capsys.readouterr()
+    line = cli_error_line(["eval", "passkey", "--lengths", "120", "--output", str(out), "--resume"], capsys)
+    assert f"--resume: {path}" in line and words in line and "without --resume" in line

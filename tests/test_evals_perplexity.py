@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rope_ext
+from rope_ext import cli
 from rope_ext.evals import data as data_mod
 from rope_ext.evals import perplexity
 from rope_ext.evals.data import Document
@@ -309,3 +310,38 @@ def test_a_checkpoint_saved_patched_is_evaluated_with_its_patch(tiny_model, tiny
     assert ppl["as loaded"] == ppl["named"] and ppl["plain"] > 1.1 * ppl["named"]
     with pytest.raises(ValueError, match="need --method"):
         perplexity.main(argv + ["--factor", "4", "--output", str(tmp_path / "x")])
+
+
+def test_a_fine_tune_folder_is_evaluated_as_the_fine_tuned_model(tiny_model, tiny_tokenizer, tiny_path, tmp_path):
+    """`eval ppl --model <the fine-tune's --out folder>` (docs/finetune.md): the base, its patch and
+    the adapter, as rope_ext.load_finetuned builds them; the results name the folder."""
+    from peft import LoraConfig, get_peft_model
+
+    from rope_ext.defaults import gutenberg_documents
+    from rope_ext.saving import load_finetuned, save_record
+
+    rope_ext.patch(tiny_model, "yarn", factor=4)
+    tuned = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # a trained adapter: LoRA's B starts at zero
+        for name, parameter in tuned.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.05)
+    out = tmp_path / "tiny_yarn_x4"
+    tuned.save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    save_record(out, str(tiny_path), tuned)
+    text = tmp_path / "macbeth.txt"
+    text.write_text(gutenberg_documents()["macbeth_gut"][20000:26000])
+    argv = ["eval", "ppl", "--model", str(out), "--lengths", "512", "--data", str(text), "--dtype", "float32", "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path / "ppl")]) == 0
+    run = json.loads((tmp_path / "ppl" / "ppl.json").read_text())
+    assert run["setup"]["model"] == "tiny_yarn_x4" and run["setup"]["method"] == "yarn" and run["setup"]["capacity"] == 512
+    model = load_finetuned(out, dtype=torch.float32)
+    ids = torch.tensor(tiny_tokenizer(text.read_text(), add_special_tokens=False)["input_ids"])
+    bos, bos_id = perplexity.bos_token(tiny_tokenizer, None)
+    expected = perplexity.evaluate(model, [Document("macbeth", ids)], [512], bos=bos, bos_id=bos_id, progress=False)[512]["ppl"]
+    assert run["lengths"]["512"]["ppl"] == pytest.approx(expected, rel=1e-5)
+    base = rope_ext.from_pretrained(tiny_path).eval()
+    rope_ext.patch(base, "yarn", factor=4)
+    without = perplexity.evaluate(base, [Document("macbeth", ids)], [512], bos=bos, bos_id=bos_id, progress=False)[512]["ppl"]
+    assert abs(without - expected) > 1e-3 * expected  # the adapter is in the numbers, 100x the tolerance above

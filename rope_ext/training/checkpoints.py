@@ -15,6 +15,9 @@ from safetensors.torch import load_file, save_file
 from .config import ConfigError, config_digest, identity_differences
 
 TRAINED_STATE = "trained_state.safetensors"
+# what --resume reads of a run folder's files, checked before the model loads
+RUN_CONFIG_FIELDS = {"config": dict, "data_parallel_size": int}
+TRAINER_STATE_FIELDS = {"step": int, "config_digest": str, "evals": list, "history": list}
 
 
 def checkpoint_layout(accelerator) -> str:
@@ -127,12 +130,39 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
 
 
+def read_record(path: Path, fields: dict, hint: str = "") -> dict:
+    """The JSON object in `path` with `fields` of their types; ConfigError naming the file and what
+    is wrong with it (a file cut short by a stopped run, or edited)."""
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--resume: {path} is not valid JSON, cut short or edited ({err}){hint}") from None
+    bad = [key for key, kind in fields.items() if not isinstance(record, dict) or not isinstance(record.get(key), kind)]
+    if bad:
+        raise ConfigError(f"--resume: {path} has no valid {', '.join(bad)}: not as a fine-tune run writes it{hint}")
+    return record
+
+
+def check_checkpoint(path: Path, layout: str, out: Path) -> Path:
+    """`path`, after checking that its files are whole: its trainer_state.json and, where one
+    process or DDP wrote it, the trained weights. A damaged one names the complete checkpoint
+    before it, if any."""
+    step = path.name.removeprefix("step-")
+    earlier = [p for p in checkpoints(out) if step.isdigit() and int(p.name.split("-")[1]) < int(step)]
+    hint = f"; resume from the one before it with --resume {earlier[-1]}" if earlier else ""
+    read_record(path / "trainer_state.json", TRAINER_STATE_FIELDS, hint)
+    if layout == "replicated" and not (path / TRAINED_STATE).is_file():
+        raise ConfigError(f"--resume: {path} holds no {TRAINED_STATE} (the trained weights){hint}")
+    return path
+
+
 def find_resume(out: Path, resume: str, cfg: dict, world: int, layout: str) -> Path:
-    """The checkpoint to resume from, after checking it belongs to this exact configuration."""
+    """The checkpoint to resume from, after checking it belongs to this exact configuration and its
+    files are whole."""
     run_config = out / "run_config.json"
     if not run_config.is_file():
         raise ConfigError(f"--resume: {out} is not a fine-tune run folder (no run_config.json)")
-    saved = json.loads(run_config.read_text())
+    saved = read_record(run_config, RUN_CONFIG_FIELDS)
     differences = identity_differences(cfg, saved["config"])
     if differences:
         raise ConfigError(f"--resume: {out} was trained with another configuration:\n  " + "\n  ".join(differences))
@@ -151,10 +181,11 @@ def find_resume(out: Path, resume: str, cfg: dict, world: int, layout: str) -> P
         found = checkpoints(out)
         if not found:
             raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
-        return found[-1]
+        return check_checkpoint(found[-1], layout, out)
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise ConfigError(f"--resume {path}: not a complete checkpoint folder")
+    check_checkpoint(path, layout, out)
     if json.loads((path / "trainer_state.json").read_text())["config_digest"] != config_digest(cfg):
         raise ConfigError(f"--resume {path}: this checkpoint was written by another configuration")
     return path
