@@ -11,7 +11,7 @@ seconds over plain's, decode tokens/s over plain's. Every method runs at --facto
 parameters (the dynamic ones with their causal schedule); a method that cannot be patched on the
 model is listed with the reason.
 
-    python bench/decode.py --lengths 512 1024 --repeats 2       # the tiny trained model, seconds
+    python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
 """
 
@@ -73,10 +73,10 @@ def load(name: str, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(path), str(path) if name == "tiny" else name
 
 
-def variants(model, factor: float) -> tuple[dict, dict]:
-    """({name: model}: plain and every method patched on a copy, {name: why it was skipped})."""
+def variants(model, factor: float, names: list[str]) -> tuple[dict, dict]:
+    """({name: model}: plain and each method patched on a copy, {name: why it was skipped})."""
     built, skipped = {PLAIN: model}, {}
-    for name in rope_ext.methods():
+    for name in names:
         patched = copy.deepcopy(model)
         try:
             rope_ext.patch(patched, name, factor=factor)
@@ -95,15 +95,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--factor", type=float, default=4.0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--methods", nargs="+", help="the methods to compare with plain (default: every method)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's); on a shared machine 1 keeps spinning threads out of CPU time",
+    )
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: decode is timed between the first new token and the last")
+    names = args.methods or list(rope_ext.methods())
+    unknown = sorted(set(names) - set(rope_ext.methods()))
+    if unknown:
+        parser.error(f"unknown methods: {', '.join(unknown)} (known: {', '.join(rope_ext.methods())})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model, tokenizer, given = load(args.model, DTYPES[args.dtype])
     stream = tokenizer(gutenberg_text(), return_tensors="pt").input_ids
     stream = stream.repeat(1, -(-max(args.lengths) // stream.shape[1]))  # the text again if it is short
-    models, skipped = variants(model, args.factor)
+    models, skipped = variants(model, args.factor, names)
     results: dict = {
         "model": args.model,
         "window": model.config.max_position_embeddings,
