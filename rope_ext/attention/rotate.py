@@ -141,12 +141,17 @@ class RotateInAttention(AttentionTransform):
         reaches every way the query is attended afterwards (in parts, at distances)."""
         if not self.rotary.params.get("logn"):
             return query
+        scale = self.per_forward(("logn", query.dtype), lambda: self._logn_scale(query.dtype))
+        return query if scale is None else query * scale
+
+    def _logn_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, Sq, 1]: the log-n scale of each query row; None when every row is inside the window."""
         q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
         past = q_pos + 1 > window
         if not bool(past.any()):
-            return query
+            return None
         scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
-        return query * scale[:, None, :, None].to(query.dtype)
+        return scale[:, None, :, None].to(dtype)
 
     def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, key=None) -> torch.Tensor:
         """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies. With a

@@ -164,7 +164,11 @@ class TwoPartAttention(RotateInAttention):
         # With no mask to honour but the causal one and every row from `first` on past the window
         # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
         # rows gets one.
-        if not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window:
+        unmasked = self.per_forward(
+            ("unmasked", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
+            lambda: not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window,
+        )
+        if unmasked:
             outputs.append(
                 self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling)
             )
