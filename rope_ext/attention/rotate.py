@@ -67,18 +67,7 @@ class RotateInAttention(AttentionTransform):
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
             return self._attend(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                attend,
-                frame,
-                groups[0][0],
-                (0, q_len),
-                (first_key, written),
-                True,
-                kwargs,
+                module, query, key, value, attention_mask, attend, frame, groups[0][0], (0, q_len), (first_key, written), kwargs
             )
         offset = kv_len - q_len
         out = None
@@ -101,8 +90,8 @@ class RotateInAttention(AttentionTransform):
                 length,
                 (lo, hi),
                 (first_key, first_key + end),
-                index < self.HELD_GROUPS,
                 kwargs,
+                held=index < self.HELD_GROUPS,
             )
             if out is None:
                 out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
@@ -215,7 +204,7 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, held, kwargs):
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
         else computed here and let go."""
         layout = self.rotary.geometry.layout
