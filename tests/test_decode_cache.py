@@ -3,6 +3,7 @@ positions once per forward, not once per layer, and, for the dynamic methods' ca
 O(length) of them at any number of groups. Results stay those of the full forward
 (test_dynamic_cache.py, test_attention_methods.py)."""
 
+import sys
 import weakref
 
 import pytest
@@ -17,7 +18,7 @@ from helpers import load_llama
 
 
 class CosSinCalls:
-    """Counts the calls of rope_ext's cos_sin (where attention and the frame compute it) and keeps
+    """Counts the calls of rope_ext's cos_sin (in every rope_ext module that calls it) and keeps
     weak references to what they return, to tell what is still held."""
 
     def __init__(self, monkeypatch):
@@ -30,8 +31,9 @@ class CosSinCalls:
             self.outputs += [weakref.ref(t) for t in result]
             return result
 
-        monkeypatch.setattr(rope_ext.rotation, "cos_sin", counted)
-        monkeypatch.setattr(rope_ext.attention.rotate, "cos_sin", counted)
+        for module in [m for name, m in sys.modules.items() if name.startswith("rope_ext")]:
+            if getattr(module, "cos_sin", None) is original:
+                monkeypatch.setattr(module, "cos_sin", counted)
 
     def held(self) -> int:
         """Elements of the cos/sin tensors still alive."""
@@ -56,6 +58,7 @@ def decode_step_calls(model, ids, monkeypatch) -> int:
         ("rerope", {"factor": 4}),
         ("dca", {"factor": 4}),
         ("string", {"factor": 4, "local": 16}),
+        ("sink_window", {"factor": 4}),
     ],
 )
 def test_a_decode_step_computes_cos_sin_once_not_per_layer(tiny_path, heldout_ids, monkeypatch, method, params):
