@@ -20,11 +20,21 @@ class RotateInAttention(AttentionTransform):
     queries scaled first where the patch has `logn` on (`scale_queries`).
 
     Queries that use different scalings (causal schedule past the window) are attended in groups,
-    each against keys rotated with that group's scaling; causality is by index, as in the model."""
+    each against keys rotated with that group's scaling; causality is by index, as in the model.
+    The first HELD_GROUPS groups keep their keys' (cos, sin) for the whole forward; the others
+    compute theirs in every layer and let them go, so a forward holds O(length) of them at any
+    number of groups (a prompt of L tokens past the window at granularity 1 is L groups).
+
+    One transform serves every layer: what every layer of a forward would compute alike (cos/sin
+    of the same positions, the checks of the positions) it computes once per forward
+    (`per_forward`)."""
+
+    HELD_GROUPS = 4
 
     def __init__(self, rotary):
         self.rotary = rotary
         self._hooks: list = []
+        self._forward: tuple = (None, {})
 
     def attach(self, site) -> None:
         """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
@@ -54,22 +64,21 @@ class RotateInAttention(AttentionTransform):
         if written < kv_len:
             raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
-        lengths = frame.lengths
-        groups = torch.unique(lengths).tolist()
+        groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
             return self._attend(
-                module, query, key, value, attention_mask, attend, frame, groups[0], (0, q_len), (first_key, written), kwargs
+                module, query, key, value, attention_mask, attend, frame, groups[0][0], (0, q_len), (first_key, written), kwargs
             )
         offset = kv_len - q_len
         out = weights = None
-        for length in groups:
-            rows = (lengths == length).any(0).nonzero()
-            lo, hi = int(rows[0]), int(rows[-1]) + 1
+        for index, (length, lo, hi, chosen) in enumerate(groups):
             end = offset + hi  # keys past the group's last query are masked anyway
             if attention_mask is not None:
                 mask = attention_mask[:, :, lo:hi, :end]
-            else:
+            elif hi - lo > 1:
                 mask = causal_mask(offset + lo, hi - lo, end, query.dtype, query.device)
+            else:
+                mask = None  # one row sees every key up to its own: nothing to hide
             part, part_weights = self._attend(
                 module,
                 query[:, :, lo:hi],
@@ -82,17 +91,44 @@ class RotateInAttention(AttentionTransform):
                 (lo, hi),
                 (first_key, first_key + end),
                 kwargs,
+                held=index < self.HELD_GROUPS,
             )
             if out is None:
                 out = part.new_empty((part.shape[0], q_len, *part.shape[2:]))
-            chosen = (lengths[:, lo:hi] == length)[..., None, None]
-            out[:, lo:hi] = torch.where(chosen, part, out[:, lo:hi])
+            out[:, lo:hi] = part if chosen is None else torch.where(chosen, part, out[:, lo:hi])
             if part_weights is not None:  # a backend that gives them (eager): each row's from its group
                 if weights is None:
                     weights = part_weights.new_zeros((*part_weights.shape[:2], q_len, kv_len))
-                rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
-                weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
+                if chosen is None:
+                    weights[:, :, lo:hi, :end] = part_weights
+                else:
+                    rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
+                    weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
         return out, weights
+
+    @staticmethod
+    def _groups(lengths: torch.Tensor) -> list:
+        """[(length, lo, hi, chosen)]: each scaling the queries use, the rows [lo, hi) that span
+        its queries, and which of them (in each batch row) use it, [B, rows, 1, 1], or None where
+        all do."""
+        groups = []
+        for length in torch.unique(lengths).tolist():
+            rows = (lengths == length).any(0).nonzero()
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            chosen = lengths[:, lo:hi] == length
+            groups.append((length, lo, hi, None if bool(chosen.all()) else chosen[..., None, None]))
+        return groups
+
+    def per_forward(self, key, compute: Callable):
+        """compute(), once per forward (per frame) and `key`: the layers of a forward share the
+        positions, so what follows from them alone is the same in every layer."""
+        frame = self.rotary.frame
+        if self._forward[0] is not frame:
+            self._forward = (frame, {})
+        memo = self._forward[1]
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
 
     def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
         """query [B, H, Sq, D] with the `logn` parameter on (docs/logn.md): each row at a position p
@@ -102,16 +138,26 @@ class RotateInAttention(AttentionTransform):
         reaches every way the query is attended afterwards (in parts, at distances)."""
         if not self.rotary.params.get("logn"):
             return query
+        scale = self.per_forward(("logn", query.dtype), lambda: self._logn_scale(query.dtype))
+        return query if scale is None else query * scale
+
+    def _logn_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, Sq, 1]: the log-n scale of each query row; None when every row is inside the window."""
         q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
         past = q_pos + 1 > window
         if not bool(past.any()):
-            return query
+            return None
         scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
-        return query * scale[:, None, :, None].to(query.dtype)
+        return scale[:, None, :, None].to(dtype)
 
-    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies."""
-        cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, key=None) -> torch.Tensor:
+        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies. With a
+        `key` (which names the positions and frequencies: the same key, the same ones, in every
+        layer of the forward), the (cos, sin) are computed once per forward."""
+        if key is None:
+            cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
+        else:
+            cos, sin = self.per_forward(("cos_sin", key, x.dtype), lambda: cos_sin(inv_freq, scale, positions, x.dtype))
         return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
 
     def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
@@ -119,10 +165,14 @@ class RotateInAttention(AttentionTransform):
         position minus the query's, in the position maps of the method). RoPE scores depend on
         the distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query is rotated at 0 and each key
         at its distance, so keys that the method places at different query positions still go
-        through one call."""
+        through one call. `distances` and the frequencies must follow from the forward's positions
+        alone (the same in every layer that receives kv_len keys): their rotation is computed once
+        per forward."""
+        kv_len = key.shape[-2]
         # rotated at 0, not left as is: the rotation carries the attention factor
-        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale)
-        return attend(module, q_zero, self.rotate_to(key, distances, inv_freq, scale), value, attention_mask, **kwargs)
+        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale, key=("query at 0",))
+        k_distant = self.rotate_to(key, distances, inv_freq, scale, key=("distances", kv_len))
+        return attend(module, q_zero, k_distant, value, attention_mask, **kwargs)
 
     def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
@@ -141,7 +191,14 @@ class RotateInAttention(AttentionTransform):
         those of one unpadded sequence (the same in every row, consecutive; with `from_zero`, every
         key written since position 0, of which a cache may have let some go). Methods that choose
         keys by index need it: a mask that hides keys from the newest query (padding, a sliding
-        window) cannot be honoured either."""
+        window) cannot be honoured either. Checked once per forward and mask: the layers share both."""
+        # the mask lives through the forward, so its id names it there
+        return self.per_forward(
+            ("one sequence", kv_len, q_len, from_zero, id(attention_mask)),
+            lambda: self._one_sequence(attention_mask, kv_len, q_len, method, from_zero),
+        )
+
+    def _one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool) -> int:
         frame = self.rotary.frame
         k_pos, q_pos = (frame.k_pos if from_zero else frame.k_pos[..., -kv_len:]), frame.q_pos
         first = 0 if from_zero else int(k_pos[0, 0])
@@ -155,10 +212,16 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs):
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
+        """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
+        else computed here and let go."""
         layout = self.rotary.geometry.layout
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
-        k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
+        if held:
+            k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
+        else:
+            inv_freq, scale = frame.angles(length)
+            k_cos, k_sin = cos_sin(inv_freq, scale, frame.k_pos[:, slice(*k_span)], key.dtype)
         return attend(
             module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs
         )

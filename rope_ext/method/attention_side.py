@@ -158,23 +158,24 @@ class TwoPartAttention(RotateInAttention):
         method, params = rotary.method, rotary.params
         window = method.near_window(params)
         inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
-        extended = method.switched(frame, trained, params)  # [B, Sq]: queries that attend in two parts
+        # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
+        extended, first = self.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
         # One query row (a decode step) attends all its keys in one backend call, each key rotated
         # by its distance to the query. Several rows would need a rotated copy of every key per
         # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
-        if q_len == 1 and bool(extended.any()):
-            return self.attend_at_distances(
-                module, query, key, value, attention_mask, attend, self._distances(k_pos, extended), inv_freq, scale, kwargs
-            )
-        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale)
-        k_own = self.rotate_to(key, k_pos, inv_freq, scale)
-        if not bool(extended.any()):
+        if q_len == 1 and first is not None:
+            distances = self.per_forward(("distances", kv_len), lambda: self._distances(k_pos, extended))
+            return self.attend_at_distances(module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs)
+        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale, key=("own",))
+        k_own = self.rotate_to(key, k_pos, inv_freq, scale, key=("own", kv_len))
+        if first is None:
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
-        first = int(extended.any(0).nonzero()[0])
-        q_group = self.rotate_to(query[:, :, first:], method.distant_query(frame.q_pos[:, first:], params), inv_freq, scale)
-        k_group = self.rotate_to(key, method.distant_key(k_pos, params), inv_freq, scale)
+        q_group = self.rotate_to(
+            query[:, :, first:], method.distant_query(frame.q_pos[:, first:], params), inv_freq, scale, key=("distant",)
+        )
+        k_group = self.rotate_to(key, method.distant_key(k_pos, params), inv_freq, scale, key=("distant", kv_len))
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
@@ -182,7 +183,11 @@ class TwoPartAttention(RotateInAttention):
         # With no mask to honour but the causal one and every row from `first` on past the window
         # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
         # rows gets one.
-        if not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window:
+        unmasked = self.per_forward(
+            ("unmasked", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
+            lambda: not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window,
+        )
+        if unmasked:
             outputs.append(
                 self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling)
             )
@@ -206,6 +211,11 @@ class TwoPartAttention(RotateInAttention):
                     ).transpose(1, 2)
                 )
         return torch.cat(outputs, dim=1), None
+
+    @staticmethod
+    def _switched(extended: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        rows = extended.any(0).nonzero()
+        return extended, (int(rows[0]) if rows.numel() else None)
 
     def _distances(self, k_pos: torch.Tensor, extended: torch.Tensor) -> torch.Tensor:
         """[B, kv_len]: each key's distance from a single query row (attend_at_distances): its own

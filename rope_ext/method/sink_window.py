@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotation import apply_rotary, cos_sin
+from rope_ext.rotation import apply_rotary
 
 from .attention_side import AttentionMethod
 from .base import ModelFacts
@@ -173,9 +173,9 @@ class SinkWindowAttention(RotateInAttention):
             k_window, v_window = true_positions(key, True, lo_key, kv_len), value[:, :, lo_key:]
             if sinks:
                 inv_freq, scale = frame.angles(trained)
-                cos, sin = cos_sin(inv_freq, scale, frame.q_pos.new_full((1, q_len - exact), span - 1), query.dtype)
+                at_span = frame.q_pos.new_full((1, q_len - exact), span - 1)
                 sink_out, sink_lse = attend_with_lse(
-                    apply_rotary(query[:, :, exact:], cos, sin, layout),
+                    self.rotate_to(query[:, :, exact:], at_span, inv_freq, scale, key=("sinks' query",)),
                     true_positions(key, True, 0, sinks),
                     value[:, :, :sinks],
                     scale=scaling,
@@ -184,13 +184,15 @@ class SinkWindowAttention(RotateInAttention):
             block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
             for lo in range(0, q_len - exact, block):
                 hi = min(lo + block, q_len - exact)
-                # row lo + r sees window keys lo + r .. lo + r + window - 1 of k_window
-                band = (
-                    torch.arange(hi - lo + window - 1, device=query.device)[None, :]
-                    - torch.arange(hi - lo, device=query.device)[:, None]
-                )
-                mask = torch.zeros(band.shape, dtype=query.dtype, device=query.device)
-                mask = mask.masked_fill_((band < 0) | (band >= window), torch.finfo(query.dtype).min)[None, None]
+                # row lo + r sees window keys lo + r .. lo + r + window - 1 of k_window; one row sees them all
+                mask = None
+                if hi - lo > 1:
+                    band = (
+                        torch.arange(hi - lo + window - 1, device=query.device)[None, :]
+                        - torch.arange(hi - lo, device=query.device)[:, None]
+                    )
+                    mask = torch.zeros(band.shape, dtype=query.dtype, device=query.device)
+                    mask = mask.masked_fill_((band < 0) | (band >= window), torch.finfo(query.dtype).min)[None, None]
                 keys = slice(lo, hi + window - 1)
                 out, lse = attend_with_lse(
                     q_own[:, :, lo:hi], k_window[:, :, keys], v_window[:, :, keys], mask=mask, scale=scaling
