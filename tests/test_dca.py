@@ -3,6 +3,7 @@
 meets (exactness inside the window, caching, saving, refusals) is in test_attention_methods.py."""
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rope_ext
+from rope_ext import cli
 from rope_ext.attention import AttentionTransform
 from rope_ext.method import dca
 from rope_ext.method.rope import yarn
@@ -374,3 +376,20 @@ def test_yarn_dca_without_a_factor_on_a_config_without_yarn_is_refused():
 )
 def test_yarn_dca_bad_parameters_change_nothing(kwargs, message):
     assert_refused_unchanged("yarn_dca", {"factor": 4, **kwargs}, message)
+
+
+def test_yarn_dca_runs_from_the_command_line(tiny_path, tmp_path):
+    """`rope-ext eval passkey --method yarn_dca --factor 4 --param chunk_size=...` patches with the
+    given sizes and yarn's parameters, and records them."""
+    out = tmp_path / "passkey"
+    argv = ["eval", "passkey", "--model", str(tiny_path), "--method", "yarn_dca", "--factor", "4"]
+    argv += ["--param", "chunk_size=128", "--param", "beta_fast=16", "--lengths", "400", "--depths", "0.5", "--trials", "1"]
+    assert cli.main([*argv, "--max-new-tokens", "4", "--dtype", "float32", "--no-progress", "--output", str(out)]) == 0
+    result = json.loads((out / "passkey.json").read_text())
+    patch = result["setup"]["patch"]
+    assert (patch["method"], patch["factor"], patch["max_length"]) == ("yarn_dca", 4.0, 512)
+    assert {k: patch["params"][k] for k in ("chunk_size", "local_size", "beta_fast")} == {
+        "chunk_size": 128,
+        "local_size": 8,
+        "beta_fast": 16,
+    }
