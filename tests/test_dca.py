@@ -360,8 +360,20 @@ def test_a_qwen_1m_style_config_is_patched_with_its_factor_and_sizes(tiny_path, 
     assert_saves_reloads_and_unpatches(model, "yarn_dca", {}, ids, tmp_path / "patched")
 
 
-def test_yarn_dca_without_a_factor_on_a_config_without_yarn_is_refused():
-    assert_refused_unchanged("yarn_dca", {"chunk_size": WINDOW}, "yarn_dca needs a factor")
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        (None, "yarn_dca needs a factor"),
+        ({"rope_type": "llama3", "factor": 2.0}, "yarn_dca needs a factor"),
+        ({"rope_type": "yarn", "factor": 0.5}, re.escape("yarn_dca: config.json: rope_parameters.factor: factor must be")),
+    ],
+)
+def test_yarn_dca_without_a_factor_on_a_config_without_a_yarn_factor_is_refused(rope, message):
+    model = random_model()
+    if rope is not None:
+        theta = model.config.rope_parameters["rope_theta"]
+        model.config.rope_parameters = {**rope, "rope_theta": theta, "original_max_position_embeddings": WINDOW}
+    assert_refused_unchanged("yarn_dca", {"chunk_size": WINDOW}, message, model=model)
 
 
 @pytest.mark.parametrize(

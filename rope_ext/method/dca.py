@@ -17,9 +17,9 @@ true distance through the maps above: such queries attend with their own positio
 unpatched model (bit for bit). With local_size > c / 2 (s < c / 2) the queries from 2s to c - 1
 already see keys two chunks back at the inter-chunk position c - 1, as the maps say.
 
-The rotary frequencies stay the trained ones (`yarn_dca`: YaRN's, below); the KV cache keeps keys before rotation (the
-mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
-token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
+The rotary frequencies stay the trained ones (`yarn_dca`: YaRN's, below); the KV cache keeps keys
+before rotation (the mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked
+prefill and token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
 queries past the trained window (docs/logn.md).
 
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
@@ -113,7 +113,7 @@ class DualChunkAttention(RotateInAttention):
         first = self.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
+        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the method's: trained, or yarn_dca's
         positions = q_pos[:1]  # [1, Sq]
         # rows whose every key is in their chunk or the one before at its true distance (positions
         # are consecutive, so these are the first rows)
