@@ -77,6 +77,15 @@ METHODS = [
         unpadded=True,
     ),
     Row(
+        "yarn_dca",
+        inside=[],  # inside the window it is the yarn patch, not the unpatched model: bit for bit (test_dca.py)
+        cached=[{"factor": 4}, {"factor": 4, "chunk_size": 96, "local_size": 16, "logn": True}],
+        decoded=[{"factor": 4}],
+        decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],
+        saved=[{"factor": 4, "local_size": 8, "beta_fast": 16.0}, {"factor": 2.5, "logn": True}],
+        unpadded=True,
+    ),
+    Row(
         "rerope",
         inside=[{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24}, {"factor": 4, "causal": False}],
         cached=[{"factor": 4}, {"factor": 4, "leak": "auto"}, {"leak": 4.5, "window": 24}],
@@ -269,4 +278,5 @@ def test_a_missing_factor_changes_nothing(method):
 
 @pytest.mark.parametrize("method", rows())
 def test_an_unknown_parameter_changes_nothing(method):
-    assert_refused_unchanged(method, {"factor": 4, "beta_fast": 4}, r"unknown parameter\(s\) \['beta_fast'\]")
+    # alibi_hybrid's, a parameter no attention-side method has (yarn_dca has yarn's beta_fast)
+    assert_refused_unchanged(method, {"factor": 4, "slope_scale": 4}, r"unknown parameter\(s\) \['slope_scale'\]")

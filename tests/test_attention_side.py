@@ -20,7 +20,7 @@ OLD_SCHEDULE = {"causal": True, "granularity": 1}
 
 
 def test_every_attention_side_method_is_registered_through_the_base():
-    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window", "string"]
+    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window", "string", "yarn_dca"]
     assert {name for name in ATTENTION_SIDE if isinstance(REGISTRY[name], TwoPartMethod)} == {"rerope", "self_extend", "string"}
     for name in ATTENTION_SIDE:
         method = REGISTRY[name]

@@ -3,6 +3,7 @@
 meets (exactness inside the window, caching, saving, refusals) is in test_attention_methods.py."""
 
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -13,8 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import rope_ext
+from rope_ext import cli
 from rope_ext.attention import AttentionTransform
 from rope_ext.method import dca
+from rope_ext.method.rope import yarn
 
 from helpers import (
     WINDOW,
@@ -36,15 +39,21 @@ class PaperDualChunk(AttentionTransform):
     first w positions of a chunk at s, s + 1, ..., s + w - 1, the others at c - 1) and a key of
     any earlier chunk at P_q^inter = c - 1; one softmax over all. No query is exempt."""
 
-    def __init__(self, chunk: int, local: int, base: float, dim: int, start: int = 0):
+    def __init__(self, chunk: int, local: int, base: float, dim: int, start: int = 0, inv_freq=None, temperature: float = 1.0):
+        """`inv_freq` (default: base^(-2i/dim)) and `temperature` (YaRN's factor on cos and sin)
+        are the frequencies the chunks rotate with."""
         self.chunk, self.local, self.base, self.dim, self.start = chunk, local, base, dim, start
+        half = dim // 2
+        default = base ** (-torch.arange(half, dtype=torch.float64) * 2 / dim)
+        self.inv_freq = default if inv_freq is None else inv_freq.double()
+        self.temperature = temperature
 
     def rotate(self, x, positions):
         half = self.dim // 2
-        inv_freq = self.base ** (-torch.arange(half, dtype=torch.float64) * 2 / self.dim)
-        angles = positions[:, None] * inv_freq[None, :]
+        angles = positions[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos() * self.temperature, angles.sin() * self.temperature
         a, b = x[..., :half], x[..., half : self.dim]
-        return torch.cat((a * angles.cos() - b * angles.sin(), b * angles.cos() + a * angles.sin(), x[..., self.dim :]), dim=-1)
+        return torch.cat((a * cos - b * sin, b * cos + a * sin, x[..., self.dim :]), dim=-1)
 
     def __call__(self, module, query, key, value, attention_mask, attend, scaling=None, **kwargs):
         c, w = self.chunk, self.local
@@ -69,12 +78,17 @@ class PaperDualChunk(AttentionTransform):
 
 
 @torch.no_grad()
-def paper_logits(model, ids, chunk: int, local: int, start: int = 0) -> torch.Tensor:
-    """fp64 logits of `model` with every layer's attention PaperDualChunk at positions start, ..."""
+def paper_logits(model, ids, chunk: int, local: int, start: int = 0, yarn_factor: float | None = None) -> torch.Tensor:
+    """fp64 logits of `model` with every layer's attention PaperDualChunk at positions start, ...;
+    over YaRN's frequencies and temperature at `yarn_factor` where one is given."""
     exact = copy.deepcopy(model).double()
     rope_ext.patch(exact, "dca", factor=4, chunk_size=chunk, local_size=local)  # the hook, queries and keys unrotated
     geometry = exact.model.rotary_emb.geometry
-    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, start)])
+    frequencies = {}
+    if yarn_factor is not None:
+        inv_freq, temperature = yarn(geometry, factor=yarn_factor)
+        frequencies = {"inv_freq": inv_freq, "temperature": temperature}
+    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, start, **frequencies)])
     positions = torch.arange(start, start + ids.shape[-1])[None]
     return exact(ids, position_ids=positions).logits
 
@@ -243,3 +257,151 @@ def test_an_accepted_dual_chunk_attention_config_saves_and_reloads(tmp_path, sta
     model.save_pretrained(tmp_path / "checkpoint")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint", dtype=torch.float32).eval()
     assert_saves_reloads_and_unpatches(model, "dca", {"factor": 4}, random_ids(3 * WINDOW), tmp_path / "patched")
+
+
+# yarn_dca: Dual Chunk Attention over YaRN's frequencies and temperature (Qwen2.5-1M's setup).
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("factor", [4, 2.5])
+def test_yarn_dca_inside_the_window_is_the_yarn_patch_bit_for_bit(tiny_model, heldout_ids, attn, factor):
+    """With chunk_size = L every query inside the window meets every key at its true distance: the
+    patch is rope-ext's yarn at the same factor (frequencies and temperature), bit for bit."""
+    tiny_model.set_attn_implementation(attn)
+    window = tiny_model.config.max_position_embeddings
+    ids = heldout_ids[None, : 3 * window]
+    lengths = (window, window - 37, 1)
+    with torch.no_grad():
+        rope_ext.patch(tiny_model, "yarn", factor=factor)
+        expected = [tiny_model(ids[:, :n]).logits for n in lengths]
+        expected_long = tiny_model(ids).logits
+        info = rope_ext.patch(tiny_model, "yarn_dca", factor=factor, chunk_size=window)
+        patched = [tiny_model(ids[:, :n]).logits for n in lengths]
+        patched_long = tiny_model(ids).logits
+    assert info.params["chunk_size"] == window
+    for before, after in zip(expected, patched):
+        assert torch.equal(before, after)
+    assert torch.equal(expected_long[:, :window], patched_long[:, :window])
+    assert (expected_long[:, window:] - patched_long[:, window:]).abs().max() > 1.0  # past the window DCA acts
+
+
+@pytest.mark.parametrize("chunk, local", [(128, 8), (96, 24)])
+def test_yarn_dca_matches_the_paper_over_yarn_frequencies_on_the_tiny_model(tiny_model, heldout_ids, chunk, local):
+    """Past the window, the fp32 logits against PaperDualChunk in fp64 with YaRN's frequencies and
+    temperature are as close as plain attention's fp32 logits to fp64."""
+    ids = heldout_ids[None, :512]
+    with torch.no_grad():
+        plain_error = (tiny_model(ids).logits.double() - copy.deepcopy(tiny_model).double()(ids).logits).abs().max()
+        rope_ext.patch(tiny_model, "yarn_dca", factor=4, chunk_size=chunk, local_size=local)
+        ours = tiny_model(ids).logits.double()
+    error = (ours - paper_logits(tiny_model, ids, chunk, local, yarn_factor=4)).abs().max()
+    assert error <= 4 * plain_error, (error, plain_error)
+    # the reference tells the frequencies apart: over the trained ones it is far off
+    assert (ours - paper_logits(tiny_model, ids, chunk, local)).abs().max() > 100 * plain_error
+
+
+def test_yarn_dca_takes_yarn_parameters(tiny_model, heldout_ids):
+    ids = heldout_ids[None, :300]
+    with torch.no_grad():
+        rope_ext.patch(tiny_model, "yarn", factor=4, beta_fast=16, beta_slow=2, attention_factor=1.0)
+        expected = tiny_model(ids[:, :128]).logits
+        rope_ext.patch(tiny_model, "yarn_dca", factor=4, beta_fast=16, beta_slow=2, attention_factor=1.0)
+        assert torch.equal(tiny_model(ids[:, :128]).logits, expected)
+        ours = tiny_model(ids).logits.double()
+    chunk, local = tiny_model.model.rotary_emb.params["chunk_size"], tiny_model.model.rotary_emb.params["local_size"]
+    exact = copy.deepcopy(tiny_model).double()
+    rope_ext.patch(exact, "dca", factor=4, chunk_size=chunk, local_size=local)
+    geometry = exact.model.rotary_emb.geometry
+    inv_freq, _ = yarn(geometry, factor=4, beta_fast=16, beta_slow=2)
+    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, inv_freq=inv_freq)])
+    with torch.no_grad():
+        assert (ours - exact(ids).logits).abs().max() < 1e-3
+
+
+def yarn_dca_checkpoint(tiny_path, path, stated: dict | None = None) -> Path:
+    """The tiny trained model saved with a Qwen2.5-1M-style config.json, shrunk to its sizes: yarn
+    rope_parameters (factor 4 over its 128-token window) and a dual_chunk_attention_config."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    window = model.config.max_position_embeddings
+    rope = model.config.rope_parameters
+    model.config.rope_parameters = {
+        "rope_type": "yarn",
+        "rope_theta": rope["rope_theta"],
+        "factor": 4.0,
+        "original_max_position_embeddings": window,
+    }
+    model.config.max_position_embeddings = 4 * window
+    model.config.dual_chunk_attention_config = stated or {
+        "chunk_size": window,
+        "local_size": 8,
+        "original_max_position_embeddings": window,
+    }
+    model.save_pretrained(path)
+    return path
+
+
+def test_a_qwen_1m_style_config_is_patched_with_its_factor_and_sizes(tiny_path, heldout_ids, tmp_path):
+    """yarn_dca on a checkpoint whose config.json states yarn (factor 4) and dual chunk attention:
+    the factor, chunk_size, local_size and window come from the config; inside the window it is
+    the checkpoint's own YaRN (transformers') bit for bit; it saves, reloads and unpatches exactly."""
+    path = yarn_dca_checkpoint(tiny_path, tmp_path / "qwen-1m-style")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = heldout_ids[None, :384]
+    with torch.no_grad():
+        native = model(ids[:, :128]).logits
+        info = rope_ext.patch(model, "yarn_dca")
+        assert (info.factor, info.params["chunk_size"], info.params["local_size"], info.original_window) == (4.0, 128, 8, 128)
+        assert info.max_length == 512
+        inside = model(ids[:, :128]).logits
+        ours = model(ids).logits.double()
+    assert torch.equal(inside, native)
+    assert (ours - paper_logits(model, ids, 128, 8, yarn_factor=4)).abs().max() < 1e-3
+    rope_ext.unpatch(model)
+    assert_saves_reloads_and_unpatches(model, "yarn_dca", {}, ids, tmp_path / "patched")
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        (None, "yarn_dca needs a factor"),
+        ({"rope_type": "llama3", "factor": 2.0}, "yarn_dca needs a factor"),
+        ({"rope_type": "yarn", "factor": 0.5}, re.escape("yarn_dca: config.json: rope_parameters.factor: factor must be")),
+    ],
+)
+def test_yarn_dca_without_a_factor_on_a_config_without_a_yarn_factor_is_refused(rope, message):
+    model = random_model()
+    if rope is not None:
+        theta = model.config.rope_parameters["rope_theta"]
+        model.config.rope_parameters = {**rope, "rope_theta": theta, "original_max_position_embeddings": WINDOW}
+    assert_refused_unchanged("yarn_dca", {"chunk_size": WINDOW}, message, model=model)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"beta_fast": 1, "beta_slow": 2}, "need beta_fast > beta_slow > 0"),
+        ({"attention_factor": 0}, "attention_factor must be in"),
+        ({"beta_fast": "32"}, "beta_fast must be a number"),
+        ({"chunk_size": 2 * WINDOW}, "exceeds the trained window"),
+        ({"rope": "ntk"}, r"unknown parameter\(s\) \['rope'\]"),
+    ],
+)
+def test_yarn_dca_bad_parameters_change_nothing(kwargs, message):
+    assert_refused_unchanged("yarn_dca", {"factor": 4, **kwargs}, message)
+
+
+def test_yarn_dca_runs_from_the_command_line(tiny_path, tmp_path):
+    """`rope-ext eval passkey --method yarn_dca --factor 4 --param chunk_size=...` patches with the
+    given sizes and yarn's parameters, and records them."""
+    out = tmp_path / "passkey"
+    argv = ["eval", "passkey", "--model", str(tiny_path), "--method", "yarn_dca", "--factor", "4"]
+    argv += ["--param", "chunk_size=128", "--param", "beta_fast=16", "--lengths", "400", "--depths", "0.5", "--trials", "1"]
+    assert cli.main([*argv, "--max-new-tokens", "4", "--dtype", "float32", "--no-progress", "--output", str(out)]) == 0
+    result = json.loads((out / "passkey.json").read_text())
+    patch = result["setup"]["patch"]
+    assert (patch["method"], patch["factor"], patch["max_length"]) == ("yarn_dca", 4.0, 512)
+    assert {k: patch["params"][k] for k in ("chunk_size", "local_size", "beta_fast")} == {
+        "chunk_size": 128,
+        "local_size": 8,
+        "beta_fast": 16,
+    }

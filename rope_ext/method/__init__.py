@@ -10,7 +10,16 @@ REGISTRY: dict[str, Method] = {
     **{m.name: m for m in rope.METHODS},
     longrope.NAME: longrope.METHOD,
     **{
-        m.name: m for m in (alibi_hybrid.METHOD, self_extend.METHOD, rerope.METHOD, string.METHOD, dca.METHOD, sink_window.METHOD)
+        m.name: m
+        for m in (
+            alibi_hybrid.METHOD,
+            self_extend.METHOD,
+            rerope.METHOD,
+            string.METHOD,
+            dca.METHOD,
+            dca.YARN_METHOD,
+            sink_window.METHOD,
+        )
     },
 }
 

@@ -17,9 +17,9 @@ true distance through the maps above: such queries attend with their own positio
 unpatched model (bit for bit). With local_size > c / 2 (s < c / 2) the queries from 2s to c - 1
 already see keys two chunks back at the inter-chunk position c - 1, as the maps say.
 
-The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
-mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
-token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
+The rotary frequencies stay the trained ones (`yarn_dca`: YaRN's, below); the KV cache keeps keys
+before rotation (the mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked
+prefill and token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
 queries past the trained window (docs/logn.md).
 
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
@@ -32,6 +32,12 @@ Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
 "dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
 trained window from original_max_position_embeddings (docs/dca.md); `stated_sizes` checks each.
+
+`yarn_dca` is the same attention over YaRN's frequencies and attention temperature at the factor
+(rope_ext.method.rope.yarn, with its beta_fast, beta_slow, attention_factor and truncate), as Qwen
+runs DCA under a config that states yarn rope_parameters: without a factor it takes the one those
+rope_parameters state. With chunk_size = L every query inside the window meets every key at its
+true distance, so there the patch is rope-ext's `yarn` at the same factor, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts, as_size
+from .base import ModelFacts, as_size, check_factor
+from .rope import METHODS as ROPE_METHODS
+from .rope import yarn
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None}
@@ -102,10 +110,10 @@ class DualChunkAttention(RotateInAttention):
         frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         q_pos = frame.q_pos
-        first = self.one_sequence(attention_mask, kv_len, q_len, NAME)
+        first = self.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the trained frequencies
+        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the method's: trained, or yarn_dca's
         positions = q_pos[:1]  # [1, Sq]
         # rows whose every key is in their chunk or the one before at its true distance (positions
         # are consecutive, so these are the first rows)
@@ -194,12 +202,58 @@ class DualChunkMethod(AttentionMethod):
         }
         if chunk > trained:
             raise ValueError(
-                f"{NAME}: {source['chunk_size']} {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 "
+                f"{self.name}: {source['chunk_size']} {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 "
                 "must have been trained"
             )
         if not 0 < local < chunk:
-            raise ValueError(f"{NAME}: {source['local_size']} must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}")
+            raise ValueError(
+                f"{self.name}: {source['local_size']} must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}"
+            )
         return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
 
 
 METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), takes_logn=True)
+
+YARN_NAME = "yarn_dca"
+YARN = next(m for m in ROPE_METHODS if m.name == "yarn")
+
+
+def yarn_chunk_frequencies(geom: RotaryGeometry, seq_len=None, *, factor: float, chunk_size, local_size, **ramp):
+    """YaRN's frequencies and temperature at `factor`, for every chunk position."""
+    return yarn(geom, factor=factor, **ramp)
+
+
+@dataclass(frozen=True)
+class YarnDualChunkMethod(DualChunkMethod):
+    """yarn_dca: dca over YaRN's frequencies. The factor is YaRN's s; without one, the one the
+    checkpoint's yarn rope_parameters state."""
+
+    def check(self, factor, params: dict) -> dict:
+        # YaRN's rules on its own parameters do not involve the factor, which may come from the
+        # model's config later (derive): a stand-in s = 2 lets yarn's validate run without one
+        ramp = YARN.validate(2.0 if factor is None else factor, {k: params[k] for k in YARN.params})
+        return {**params, **ramp}
+
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        if factor is None:
+            stated = facts.config.get("rope_parameters") or {}
+            if stated.get("rope_type") != "yarn" or stated.get("factor") is None:
+                raise ValueError(
+                    f"{YARN_NAME} needs a factor (YaRN's s), or a config.json whose rope_parameters state yarn with one"
+                )
+            try:
+                factor = check_factor(stated["factor"])
+            except ValueError as err:
+                raise ValueError(f"{YARN_NAME}: config.json: rope_parameters.factor: {err}") from None
+        return super().derive(facts, geometry, factor, params)
+
+
+YARN_METHOD = YarnDualChunkMethod(
+    YARN_NAME,
+    "Dual Chunk Attention over YaRN's frequencies and temperature (Qwen2.5-1M)",
+    f"{FORMULA}; frequencies yarn(s)",
+    params={**PARAMS, **YARN.params},
+    fn=yarn_chunk_frequencies,
+    takes_logn=True,
+    factor_required=False,
+)
