@@ -40,6 +40,7 @@ METHOD_NAMES = (
     "rerope",
     "string",
     "dca",
+    "yarn_dca",
     "sink_window",
 )
 

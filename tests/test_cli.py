@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers.utils import logging as transformers_logging
 
+import rope_ext
 from rope_ext import cli
 from rope_ext.evals import loading
 from rope_ext.training.config import DEFAULTS, FLAGS, parse_args
@@ -269,7 +270,7 @@ def test_a_misspelt_method_is_answered_before_torch_loads(argv):
     command = "lm-eval" if argv[0] == "lm-eval" else " ".join(argv[: 2 if argv[0] == "eval" else 1])
     assert done.stderr.strip() == (
         f"rope-ext {command}: error: unknown method 'yran' (did you mean 'yarn'?); valid methods: "
-        "linear, ntk, dynamic, yarn, dynamic_yarn, ntk_by_parts, llama3, alibi_hybrid, self_extend, rerope, string, dca, sink_window"
+        + ", ".join(rope_ext.methods())
     )
 
 

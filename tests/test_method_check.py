@@ -18,7 +18,7 @@ from rope_ext.training.config import ConfigError, parse_args
 
 # (method, factor, params, the message of the fault)
 FAULTS = [
-    ("rope2", 4.0, {}, "unknown method 'rope2'; valid methods: linear, ntk, dynamic"),
+    ("rope2", 4.0, {}, "unknown method 'rope2' (did you mean 'rerope' or 'longrope'?); valid methods: linear, ntk, dynamic"),
     ("yarn", None, {}, "method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
     ("yarn", 1.0, {}, "factor must be a finite number > 1 and <= 1048576, got 1.0"),
     ("yarn", 4.0, {"beta_fast": "x"}, "yarn: parameter beta_fast must be a number, got 'x'"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from . import alibi_hybrid, dca, longrope, rerope, rope, self_extend, sink_window, string
 from .base import Method
+from rope_ext.arguments import unknown_method
 
 REGISTRY: dict[str, Method] = {
     **{m.name: m for m in rope.METHODS},
@@ -29,7 +30,9 @@ def get(name: str, params: dict | None = None) -> Method:
     try:
         method = REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown method {name!r}; valid methods: {', '.join(REGISTRY)}") from None
+        # the CLI's message (with the closest names), which it gives before torch loads
+        message = unknown_method([name]) or f"unknown method {name!r}; valid methods: {', '.join(REGISTRY)}"
+        raise ValueError(message) from None
     return method.bind(params or {})
 
 
