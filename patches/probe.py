@@ -34,6 +34,7 @@ PROBE_LENGTH = 8
 # The short fixed list of reasons a model is refused for; the census test counts by them.
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
+    "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
     "several-rotary": "several rotary embedding modules",
     "per-layer-type": "rotary frequencies kept per layer type",
     "format": "a cos/sin format rope-ext does not produce",
@@ -179,6 +180,9 @@ def _rotation(real, identity, cos, sin, rotary_dim):
 def probe(model: nn.Module) -> Structure:
     """The structure of `model` (a transformers PreTrainedModel, unwrapped), or Refused."""
     rotary_name, rotary = find_rotary(model)
+    rope = getattr(model.config, "rope_parameters", None)
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        raise Refused("config", f"{type(model.config).__name__}.rope_parameters is {rope!r}")
     device = rotary.inv_freq.device
     positions = torch.arange(PROBE_LENGTH, device=device)[None]
     found_format = cos_format(rotary, positions)
