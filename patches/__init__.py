@@ -1,6 +1,7 @@
 """Model-family adapters. Each answers the same questions: is this model mine, where is its
 rotary embedding and what is its geometry, and how do I swap the rotary module in and out.
-A new family is one new module here, added to ADAPTERS."""
+Most models need no module of their own: the LLaMA adapter claims any transformers decoder whose
+rotation patches.probe proves. A family it cannot prove is one new module here, added to ADAPTERS."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from .chatglm import ChatGLMFamily
 from .glm import GlmFamily
 from .llama import LlamaFamily
 
-ADAPTERS = [LlamaFamily(), GlmFamily(), ChatGLMFamily()]
+# Named families first; the probed decoder adapter claims every other model, or refuses it with the reason.
+ADAPTERS = [GlmFamily(), ChatGLMFamily(), LlamaFamily()]
 
 
 def supported() -> list[str]:

@@ -17,6 +17,7 @@ from rope_ext.method.base import Method
 from rope_ext.record import Patch
 from rope_ext.rotary import ExtendedRotaryEmbedding, position_geometry, with_position_ratio
 
+from .base import FamilyAdapter
 from .llama import LlamaFamily, RotarySite
 
 
@@ -30,7 +31,9 @@ def checkpoint_position_ratio(rope_parameters: dict) -> float:
 class GlmFamily(LlamaFamily):
     name = "glm"
     model_types = ("glm", "glm4")
-    layout = "interleaved"
+
+    def matches(self, model) -> bool:
+        return FamilyAdapter.matches(self, model)
 
     def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         fresh = self.installed(site) is None and saved is None

@@ -1,8 +1,12 @@
-"""The LLaMA family on transformers 5: one model-level `rotary_emb` computing (cos, sin) for all
-layers, pairs split in halves (`rotate_half`), the whole head rotated.
+"""Every transformers-5 decoder whose rotary embedding rope-ext can prove it owns, LLaMA's layout
+and its relatives: one rotary module computing (cos, sin) for all layers, applied by the attention
+modules to the queries and keys they hand to transformers' AttentionInterface. The model type
+plays no part: patches.probe runs the model and finds the rotary module, the cos/sin format, the
+layers that rotate (NoPE layers are left alone), the pairing and the rotated channels, or refuses
+the model with what it found and what is missing.
 
-This adapter is also the base for every transformers-native family (GLM differs only in layout
-and model types): it reads and writes `config.rope_parameters` and routes dynamic methods and
+This adapter is also the base for GLM (patches/glm.py), which adds what its checkpoints' linear
+scaling needs: it reads and writes `config.rope_parameters` and routes dynamic methods and
 methods' attention transforms through the rope-ext attention wrapper."""
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rope_ext.record import Patch, config_values, restore, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
+from .probe import Refused, Structure, formatted, probe
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
@@ -31,31 +36,66 @@ class RotarySite:
     """Where a model's rotary embedding lives and who uses it."""
 
     model: nn.Module  # the transformers PreTrainedModel (unwrapped)
-    decoder: nn.Module  # the module whose forward calls the rotary module
+    decoder: nn.Module  # the base model, whose forward takes the KV cache
     rotary: nn.Module
-    attention: list[nn.Module]
+    attention: list[nn.Module]  # the attention modules that apply the rotation
+    structure: Structure
+    nope: list[nn.Module]  # attention modules without RoPE, which the patch leaves alone
+
+    def swap_rotary(self, rotary: nn.Module) -> None:
+        owner, _, name = self.structure.rotary.rpartition(".")
+        setattr(self.model.get_submodule(owner), name, rotary)
+        self.rotary = rotary
 
     @property
     def config(self):
         return self.model.config
 
 
+class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
+    """The rope-ext rotary module in the cos/sin format the model's attention expects, with the
+    structure the probe proved (a patched model is not probed again: its rotary module is ours)."""
+
+    def __init__(self, *args, structure: Structure):
+        super().__init__(*args)
+        self.structure = structure
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        return formatted(*super().forward(x, position_ids), self.structure.cos_format)
+
+
+class PassThrough(AttentionTransform):
+    """The attention of a layer without RoPE under a patch: the backend, unchanged."""
+
+    def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+
 class LlamaFamily(FamilyAdapter):
     name = "llama"
-    model_types = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
-    layout = "half"
+    model_types = ("any transformers decoder whose rotary embedding the probe proves (patches/probe.py)",)
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections
     attention_interface = True
 
+    def matches(self, model: nn.Module) -> bool:
+        return getattr(unwrap(model), "config", None) is not None
+
     def site(self, model: nn.Module) -> RotarySite:
         hf_model = unwrap(model)
-        decoder = hf_model.base_model
-        rotary = getattr(decoder, "rotary_emb", None)
-        if rotary is None or not hasattr(rotary, "inv_freq"):
-            raise ValueError(
-                f"{type(hf_model).__name__} has no model-level rotary embedding (`{type(decoder).__name__}.rotary_emb`)"
-            )
-        return RotarySite(hf_model, decoder, rotary, [layer.self_attn for layer in decoder.layers])
+        installed = next((m for m in hf_model.modules() if isinstance(m, ProbedRotaryEmbedding)), None)
+        try:
+            structure = installed.structure if installed is not None else probe(hf_model)
+        except Refused as err:
+            model_type = getattr(hf_model.config, "model_type", None)
+            raise ValueError(f"rope_ext cannot patch {type(hf_model).__name__} (model_type={model_type!r}): {err}") from None
+        return RotarySite(
+            hf_model,
+            hf_model.base_model,
+            hf_model.get_submodule(structure.rotary),
+            [hf_model.get_submodule(name) for name in structure.rope_attention],
+            structure,
+            [hf_model.get_submodule(name) for name in structure.nope_attention],
+        )
 
     def installed(self, site: RotarySite) -> ExtendedRotaryEmbedding | None:
         return site.rotary if isinstance(site.rotary, ExtendedRotaryEmbedding) else None
@@ -95,14 +135,12 @@ class LlamaFamily(FamilyAdapter):
         """Geometry before any scaling, from `record`; with `verify`, checked against the live
         rotary module (which was then built from the same values)."""
         rope = record["rope_parameters"]
-        config = site.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         geometry = RotaryGeometry(
             rotary_dim=2 * site.rotary.inv_freq.numel(),
             base=float(rope["rope_theta"]),
             original_window=int(record["original_window"]),
-            layout=self.layout,
-            head_dim=head_dim,
+            layout=site.structure.layout,
+            head_dim=site.structure.head_dim,
         )
         if verify and rope.get("rope_type", "default") == "default":
             # Compared in the dtype the buffer has: a cast of the model (`model.half()`) is no
@@ -121,7 +159,7 @@ class LlamaFamily(FamilyAdapter):
             family=self.name,
             backend=base_name(config._attn_implementation or "eager"),
             num_heads=config.num_attention_heads,
-            causal=all(getattr(module, "is_causal", True) for module in site.attention),
+            causal=all(getattr(module, "is_causal", True) for module in site.attention + site.nope),
             attention_interface=self.attention_interface,
             config=config.to_dict(),
         )
@@ -129,7 +167,9 @@ class LlamaFamily(FamilyAdapter):
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         current = self.installed(site)
         original_cls = current.original_cls if current is not None else type(site.rotary)
-        return ExtendedRotaryEmbedding(spec, factor, params, geometry, original_cls, record, site.rotary.inv_freq.device)
+        return ProbedRotaryEmbedding(
+            spec, factor, params, geometry, original_cls, record, site.rotary.inv_freq.device, structure=site.structure
+        )
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
         """transformers `rope_parameters` that reproduce the patch on a plain reload, or None."""
@@ -142,8 +182,7 @@ class LlamaFamily(FamilyAdapter):
         parameters."""
         if self.installed(site) is not None:
             self._detach(site)
-        site.decoder.rotary_emb = rotary
-        site.rotary = rotary
+        site.swap_rotary(rotary)
         rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
         chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
@@ -158,8 +197,7 @@ class LlamaFamily(FamilyAdapter):
         self._detach(site)
         restore(site.config, rotary.original)
         restored = rotary.original_cls(site.config).to(rotary.inv_freq.device)
-        site.decoder.rotary_emb = restored
-        site.rotary = restored
+        site.swap_rotary(restored)
 
     def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform], method: str) -> None:
         """Route attention through the rope-ext wrapper of the current backend, running `transforms`
@@ -169,6 +207,8 @@ class LlamaFamily(FamilyAdapter):
         chain = AttentionChain(transforms)
         for module in site.attention:
             module.rope_ext_attention = chain
+        for module in site.nope:
+            module.rope_ext_attention = AttentionChain([PassThrough()])
         chain.attach(site, method)
         config._attn_implementation = name
         for owner in self._owners(site):
@@ -181,7 +221,7 @@ class LlamaFamily(FamilyAdapter):
         if chain is None:
             return
         chain.detach(site)
-        for module in site.attention:
+        for module in site.attention + site.nope:
             del module.rope_ext_attention
         for owner in self._owners(site):
             owner.__dict__.pop("set_attn_implementation", None)

@@ -1,0 +1,239 @@
+"""What a transformers model does with its rotary embedding, found by running it, not by reading
+its source or its model type.
+
+`probe(model)` proves, or refuses with the reason, each fact an adapter needs:
+
+- the rotary module: the one module holding an `inv_freq` buffer (none, several, or frequencies
+  kept per layer type are refused);
+- the cos/sin format its attention expects: its output at probe positions compared with
+  rope-ext's (cat(freqs, freqs), repeated pairs, half width);
+- which attention modules rotate, which channels, with which pairing: two short forwards, one as
+  the model is, one with the rotary module answering an identity rotation. Each attention call's
+  queries and keys are captured where they enter attention; a call whose identity-run queries and
+  keys equal the real ones is a layer without RoPE (NoPE), any other must equal rope-ext's
+  rotation of its identity-run queries and keys bit for bit, in one pairing and one span of
+  channels shared by every rotating layer. The identity run attends with the real run's queries
+  and keys, so every layer sees the inputs it had, and its logits must equal the real run's: a
+  rotation applied anywhere else than on what attention receives is caught there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from rope_ext.attention import backend, base_name
+from rope_ext.rotation import apply_rotary, cos_sin
+
+PROBE_LENGTH = 8
+
+# The short fixed list of reasons a model is refused for; the census test counts by them.
+REASONS = {
+    "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
+    "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
+    "several-rotary": "several rotary embedding modules",
+    "per-layer-type": "rotary frequencies kept per layer type",
+    "format": "a cos/sin format rope-ext does not produce",
+    "forward": "the probe forward failed",
+    "outside-attention": "the rotation reaches the model outside transformers' AttentionInterface",
+    "rotation": "a rotation rope-ext cannot reproduce on the queries and keys attention receives",
+    "mixed": "layers rotate different channels or pairings",
+    "no-rope-layer": "no attention layer applies the rotation",
+}
+
+
+class Refused(ValueError):
+    """A model the probe cannot prove rope-ext owns every rotation of; `reason` is a REASONS key."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        super().__init__(f"{REASONS[reason]}: {detail}")
+
+
+@dataclass(frozen=True)
+class Structure:
+    """The proven facts, as names (so that a deep copy of the model answers for the copy)."""
+
+    rotary: str  # the rotary module's name in the model
+    attention: tuple[str, ...]  # attention modules, in call order
+    rope: tuple[bool, ...]  # whether each applies the rotation
+    layout: str  # "half" or "interleaved"
+    head_dim: int
+    rotary_dim: int
+    cos_format: str  # "cat", "repeated" or "half"
+
+    @property
+    def rope_attention(self) -> tuple[str, ...]:
+        return tuple(name for name, rotates in zip(self.attention, self.rope) if rotates)
+
+    @property
+    def nope_attention(self) -> tuple[str, ...]:
+        return tuple(name for name, rotates in zip(self.attention, self.rope) if not rotates)
+
+
+def formatted(cos: torch.Tensor, sin: torch.Tensor, cos_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope-ext's (cos, sin), laid out cat(freqs, freqs), in the format a model's attention expects."""
+    if cos_format == "cat":
+        return cos, sin
+    half = cos.shape[-1] // 2
+    if cos_format == "half":
+        return cos[..., :half], sin[..., :half]
+    return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+
+
+def find_rotary(model: nn.Module) -> tuple[str, nn.Module]:
+    found = {}
+    for name, module in model.named_modules():
+        buffers = [b for b, _ in module.named_buffers(recurse=False) if b.endswith("inv_freq")]
+        if any(b not in ("inv_freq", "original_inv_freq") for b in buffers):
+            raise Refused("per-layer-type", f"`{name}` holds {', '.join(buffers)}")
+        if buffers:
+            found.setdefault(id(module), (name, module))
+    if not found:
+        raise Refused("no-rotary", type(model).__name__)
+    if len(found) > 1:
+        raise Refused("several-rotary", ", ".join(f"`{name}`" for name, _ in found.values()))
+    return next(iter(found.values()))
+
+
+def cos_format(rotary: nn.Module, positions: torch.Tensor) -> str:
+    inv_freq = rotary.inv_freq
+    x = torch.zeros(1, device=inv_freq.device, dtype=torch.float32)
+    try:
+        out = rotary(x, positions)
+    except Exception as err:  # any signature or shape rope-ext does not call the module with
+        raise Refused("format", f"{type(rotary).__name__}(x, position_ids) raised {type(err).__name__}: {err}") from None
+    if not (isinstance(out, tuple) and len(out) == 2 and all(torch.is_tensor(t) and not t.is_complex() for t in out)):
+        kind = type(out).__name__ if not torch.is_tensor(out) else f"a {out.dtype} tensor"
+        raise Refused("format", f"{type(rotary).__name__} returns {kind}, not a real (cos, sin) pair")
+    cos, sin = cos_sin(inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), positions, out[0].dtype)
+    for name in ("cat", "repeated", "half"):
+        mine = formatted(cos, sin, name)
+        if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, mine)):
+            return name
+    raise Refused(
+        "format", f"{type(rotary).__name__}'s (cos, sin) of shape {tuple(out[0].shape)} match no layout rope-ext computes"
+    )
+
+
+class _Capture:
+    """The attention function of the probe forwards: records each call's module, queries and keys,
+    and attends with the queries and keys `replay` gives for the call (the real run's), if any."""
+
+    def __init__(self, base: str, replay: list | None = None):
+        self.base, self.replay, self.calls = base, replay, []
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        index = len(self.calls)
+        self.calls.append((module, query.detach().clone(), key.detach().clone()))
+        if self.replay is not None:
+            if index >= len(self.replay) or self.replay[index][0] is not module:
+                raise Refused("outside-attention", "the identity-rotation run called attention in another order")
+            _, query, key = self.replay[index]
+        return backend(module, self.base)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
+    config = model.config
+    base = base_name(config._attn_implementation or "eager")
+    name = f"rope_ext_probe_{base}"
+    ALL_ATTENTION_FUNCTIONS.register(name, capture)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    if identity_of is not None:
+        real = type(identity_of).forward
+
+        def identity(*args, **kwargs):
+            cos, sin = real(identity_of, *args, **kwargs)
+            return torch.ones_like(cos), torch.zeros_like(sin)
+
+        identity_of.forward = identity
+    saved = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False).logits
+    except Refused:
+        raise
+    except Exception as err:  # a model this short input does not run: nothing can be proven
+        raise Refused("forward", f"{type(err).__name__}: {err}") from None
+    finally:
+        config._attn_implementation = saved
+        if identity_of is not None:
+            del identity_of.forward
+
+
+def _rotation(real, identity, cos, sin, rotary_dim):
+    """The (layout,) under which rope-ext's rotation of `identity` gives `real` bit for bit, None
+    when the tensors are equal (no rotation), or raise."""
+    if torch.equal(real, identity):
+        return None
+    for layout in ("half", "interleaved"):
+        if torch.equal(apply_rotary(identity, cos, sin, layout), real):
+            return layout
+    return False
+
+
+def probe(model: nn.Module) -> Structure:
+    """The structure of `model` (a transformers PreTrainedModel, unwrapped), or Refused."""
+    rotary_name, rotary = find_rotary(model)
+    rope = getattr(model.config, "rope_parameters", None)
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        raise Refused("config", f"{type(model.config).__name__}.rope_parameters is {rope!r}")
+    device = rotary.inv_freq.device
+    positions = torch.arange(PROBE_LENGTH, device=device)[None]
+    found_format = cos_format(rotary, positions)
+    config = model.config
+    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
+    ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + 3) % vocab
+    training = model.training
+    model.eval()
+    base = base_name(config._attn_implementation or "eager")
+    try:
+        real = _Capture(base)
+        logits = _run(model, ids[None], real, None)
+        if not real.calls:
+            raise Refused("outside-attention", "no attention call went through transformers' AttentionInterface")
+        ident = _Capture(base, real.calls)
+        if not torch.equal(_run(model, ids[None], ident, rotary), logits):
+            raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+    finally:
+        model.train(training)
+    names = {id(module): name for name, module in model.named_modules()}
+    modules = [module for module, _, _ in real.calls]
+    if len({id(m) for m in modules}) != len(modules):
+        raise Refused("outside-attention", "an attention module is called more than once in a forward")
+    rotary_dim = 2 * rotary.inv_freq.numel()
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    rope, layouts, head_dims = [], set(), set()
+    for (module, q, k), (_, q_id, k_id) in zip(real.calls, ident.calls):
+        cos, sin = cos_sin(rotary.inv_freq, scale, positions, q.dtype)
+        found = {_rotation(q, q_id, cos, sin, rotary_dim), _rotation(k, k_id, cos, sin, rotary_dim)}
+        if found == {None}:
+            rope.append(False)
+            continue
+        if len(found) != 1 or False in found or None in found:
+            raise Refused(
+                "rotation",
+                f"`{names[id(module)]}` (a norm or another step between the rotation and attention, or a pairing other "
+                "than halves or interleaved pairs of the leading channels)",
+            )
+        rope.append(True)
+        layouts |= found
+        head_dims.add(q.shape[-1])
+    if not any(rope):
+        raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated")
+    if len(layouts) > 1 or len(head_dims) > 1:
+        raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
+    return Structure(
+        rotary=rotary_name,
+        attention=tuple(names[id(m)] for m in modules),
+        rope=tuple(rope),
+        layout=layouts.pop(),
+        head_dim=head_dims.pop(),
+        rotary_dim=rotary_dim,
+        cos_format=found_format,
+    )

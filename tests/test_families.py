@@ -1,0 +1,69 @@
+"""The probed adapter (patches/probe.py) on the shapes issue #26 names: layers without RoPE left
+alone, hybrid stacks, other cos/sin formats and pairings patched exactly; several rotary modules,
+frequencies per layer type and a norm after the rotation refused at patch() with the reason,
+changing nothing."""
+
+import copy
+
+import pytest
+import torch
+
+import rope_ext
+from rope_ext.patches.probe import probe
+
+from test_census import WINDOW, ids, logits, tiny
+
+
+def test_nope_layers_are_found_and_left_alone():
+    model = tiny("smollm3", no_rope_layers=[1, 0])  # RoPE in the first layer only
+    structure = probe(model)
+    assert structure.rope == tuple(bool(flag) for flag in model.config.no_rope_layers)
+    assert not all(structure.rope) and any(structure.rope)
+    x = ids(WINDOW)
+    reference = logits(model, x)
+    for method in ("self_extend", "sink_window", "dca"):
+        patched = copy.deepcopy(model)
+        rope_ext.patch(patched, method, factor=4)
+        assert torch.equal(logits(patched, x), reference), method
+
+
+@pytest.mark.parametrize(
+    "model_type, layout, cos_format",
+    [("cohere", "interleaved", "repeated"), ("phi", "half", "cat"), ("glm", "interleaved", "cat")],
+)
+def test_pairing_and_format_are_probed(model_type, layout, cos_format):
+    structure = probe(tiny(model_type))
+    assert (structure.layout, structure.cos_format) == (layout, cos_format)
+
+
+def test_partial_rotary_is_probed():
+    model = tiny("phi")  # partial_rotary_factor 0.5
+    structure = probe(model)
+    assert structure.rotary_dim == structure.head_dim // 2
+
+
+def test_hybrid_stack_is_patched_without_attribute_error():
+    model = tiny("falcon_h1")  # layers that mix attention and state-space mixers
+    x = ids(WINDOW)
+    reference = logits(model, x)
+    rope_ext.patch(model, "self_extend", factor=4)
+    assert torch.equal(logits(model, x), reference)
+
+
+@pytest.mark.parametrize(
+    "model_type, reason",
+    [
+        ("granite_swa", "several rotary embedding modules"),
+        ("gemma3_text", "rotary frequencies kept per layer type"),
+        ("hunyuan_v1_dense", "a rotation rope-ext cannot reproduce"),  # a norm after RoPE
+        ("nanochat", "a rotation rope-ext cannot reproduce"),  # another sign of rotate_half
+    ],
+)
+def test_unprovable_models_are_refused_with_the_reason_and_unchanged(model_type, reason):
+    model = tiny(model_type)
+    x = ids(WINDOW)
+    before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
+    with pytest.raises(ValueError, match=f"cannot patch .*{reason}"):
+        rope_ext.patch(model, "self_extend", factor=4)
+    assert torch.equal(logits(model, x), before)
+    assert model.config.to_dict() == config
