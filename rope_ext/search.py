@@ -163,9 +163,10 @@ class Search:
 
     def run(self, budget_s: float, log, max_generations: int | None = None, progress: bool = True) -> None:
         """Evaluate generation after generation until `budget_s` seconds have passed (checked
-        before each evaluation) or `max_generations` generations are complete; each evaluation
-        is appended to `log` (a text file open for appending) as it ends."""
-        began = time.monotonic()
+        before each evaluation but the first, so that every run evaluates at least once) or
+        `max_generations` generations are complete; each evaluation is appended to `log` (a text
+        file open for appending) as it ends."""
+        began, evaluated = time.monotonic(), 0
         generation = max((r["generation"] for r in self.records), default=0)
         done = {(r["generation"], tuple(r["long_factor"])) for r in self.records}
         bar = tqdm(total=round(budget_s), unit="s", desc="search", disable=not progress)
@@ -173,9 +174,10 @@ class Search:
             for origin, candidate in self.children(generation):
                 if (generation, tuple(candidate)) in done:
                     continue
-                if time.monotonic() - began >= budget_s:
+                if evaluated and time.monotonic() - began >= budget_s:
                     bar.close()
                     return
+                evaluated += 1
                 t0 = time.monotonic()
                 loss = self.score(candidate)
                 record = {
@@ -271,8 +273,6 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     )
     with open(log_path, "a", encoding="utf-8") as log:
         search.run(args.budget_minutes * 60, log, args.generations, progress=not args.no_progress)
-    if not search.records:
-        raise ValueError("the budget ended before the first evaluation; give more --budget-minutes")
     best = search.best()[0]
     starts = {r["origin"]: r["loss"] for r in search.records if r["generation"] == 0 and r["origin"] in search.start}
     patch(best["long_factor"])

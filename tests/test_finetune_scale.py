@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from rope_ext.evals.data import tokenize_documents
 from rope_ext.training.checkpoints import TRAINED_STATE, checkpoints
 from rope_ext.training.config import ConfigError, config_digest, identity_differences, parse_args
+from rope_ext.training import data as training_data
 from rope_ext.training.data import load_documents, tokenize_cached
 from rope_ext.training.finetune import main
 from rope_ext.training.model import load_kwargs
@@ -186,7 +187,9 @@ def test_4bit_base_loads_as_nf4_on_the_training_device():
 
 
 def test_tokenization_through_datasets_is_cached(tiny_tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setenv("ROPE_EXT_CACHE", str(tmp_path / "cache"))
+    # Not through $ROPE_EXT_CACHE: datasets' map(num_proc=...) rebinds os.environ to a copy made
+    # before the pool starts, so monkeypatch's undo would miss it and later tests would see the var.
+    monkeypatch.setattr(training_data, "cache_dir", lambda: tmp_path / "cache")
     texts = [(f"doc{i}", f"Scene {i}. " + "Enter the ghost of Caesar, and speak. " * (5 + i)) for i in range(5)]
     texts += [("blank", "  \n"), ("tiny", "a")]
     expected = tokenize_documents(tiny_tokenizer, texts)
