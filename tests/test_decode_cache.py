@@ -73,6 +73,28 @@ def test_a_decode_step_computes_cos_sin_once_not_per_layer(tiny_path, heldout_id
     assert calls[4] == calls[1]
 
 
+def prefill_calls(model, ids, monkeypatch) -> int:
+    """cos_sin calls of one forward over `ids`."""
+    counter = CosSinCalls(monkeypatch)
+    with torch.no_grad():
+        model(ids)
+    monkeypatch.undo()
+    return counter.calls
+
+
+@pytest.mark.parametrize("method, params", [("dca", {"factor": 4}), ("yarn_dca", {"factor": 4})])
+def test_a_prefill_computes_cos_sin_once_not_per_layer(tiny_path, heldout_ids, monkeypatch, method, params):
+    """A prefill past the window rotates every chunk's queries and keys by the same positions in
+    every layer: the 4-layer tiny model computes as many cos/sin as its first layer alone."""
+    ids = heldout_ids[None, :300]  # several chunks past the 128-token window
+    calls = {}
+    for layers in (1, 4):
+        model = load_llama(tiny_path, num_hidden_layers=layers)
+        rope_ext.patch(model, method, **params)
+        calls[layers] = prefill_calls(model, ids, monkeypatch)
+    assert calls[4] == calls[1]
+
+
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
 def test_causal_schedule_holds_cos_sin_of_a_few_groups(tiny_model, heldout_ids, monkeypatch, method):
     """A prompt 96 tokens past the window at granularity 1 is 97 groups, each rotating its whole
