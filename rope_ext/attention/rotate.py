@@ -5,14 +5,53 @@ for this forward, before the backend sees them."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from rope_ext.rotation import apply_rotary, cos_sin
 
 from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
+
+
+class RotatedKeys:
+    """Each KV cache's keys (by the cache object's identity, weakly, as rotary.KeyPositions) rotated
+    under one scaling, per layer, kept between the forwards of a decode: a step whose scaling has
+    not changed rotates only its new keys. It doubles the memory of the key cache.
+
+    A layer's rotated keys hold while the layer's key tensor is the one they were rotated from:
+    transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
+    batch_repeat_interleave, batch_select_indices), so a cache changed between forwards is rotated
+    again in full, never served stale. Other cache layers (which may write in place) are always
+    rotated in full. A copy of the store (deepcopy or pickle of the model) starts empty."""
+
+    def __init__(self):
+        self._caches: list[tuple[weakref.ref, dict]] = []
+
+    def __reduce__(self):
+        return (RotatedKeys, ())
+
+    def layers(self, cache) -> dict:
+        """{layer index: (length, rotated keys, weak reference to the key tensor they came from)}."""
+        found = next((layers for ref, layers in self._caches if ref() is cache), None)
+        if found is None:
+            found = {}
+            self._caches = [(ref, layers) for ref, layers in self._caches if ref() is not None]
+            self._caches.append((weakref.ref(cache), found))
+        return found
+
+    def check(self, cache) -> None:
+        """Before a forward: let go of the layers of `cache` changed since they were rotated."""
+        cache_layers = getattr(cache, "layers", None)
+        if cache_layers is None:
+            return
+        layers = self.layers(cache)
+        for index in list(layers):
+            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][2]():
+                del layers[index]
 
 
 class RotateInAttention(AttentionTransform):
@@ -35,6 +74,7 @@ class RotateInAttention(AttentionTransform):
         self.rotary = rotary
         self._hooks: list = []
         self._forward: tuple = (None, {})
+        self.rotated = RotatedKeys()
 
     def attach(self, site) -> None:
         """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
@@ -46,7 +86,10 @@ class RotateInAttention(AttentionTransform):
         ]
 
     def _before_forward(self, module, args, kwargs) -> None:
-        self.rotary.before_forward(passed_cache(kwargs))
+        cache = passed_cache(kwargs)
+        self.rotary.before_forward(cache)
+        if cache is not None:
+            self.rotated.check(cache)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         self.rotary.after_forward(getattr(output, "cache", None))
@@ -66,8 +109,20 @@ class RotateInAttention(AttentionTransform):
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
+            kept = self._kept_keys(module, key, frame, groups[0][0], q_len)
             return self._attend(
-                module, query, key, value, attention_mask, attend, frame, groups[0][0], (0, q_len), (first_key, written), kwargs
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                attend,
+                frame,
+                groups[0][0],
+                (0, q_len),
+                (first_key, written),
+                kwargs,
+                rotated_key=kept,
             )
         offset = kv_len - q_len
         out = weights = None
@@ -212,11 +267,40 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
+    def _kept_keys(self, module, key, frame, length: int, q_len: int) -> torch.Tensor | None:
+        """`key` (a DynamicLayer's whole cache, without autograd) rotated under `length`'s scaling:
+        the keys before this forward from the store (self.rotated) where it holds them under that
+        scaling, the new ones rotated here; the store then holds them all. None where the store
+        does not apply (another cache layer, a forward that records gradients)."""
+        cache, index = self.rotary.pending_cache, getattr(module, "layer_idx", None)
+        cache_layers = getattr(cache, "layers", None)
+        if torch.is_grad_enabled() or index is None or cache_layers is None or index >= len(cache_layers):
+            return None
+        if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
+            return None
+        if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+            return None
+        layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
+        kv_len, held = key.shape[-2], key.shape[-2] - q_len
+        entry = layers.get(index)
+        fits = entry is not None and entry[1].dtype == key.dtype and entry[1].device == key.device
+        if fits and entry[0] == length and entry[1].shape == (*key.shape[:2], held, key.shape[-1]):
+            new = apply_rotary(key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout)
+            rotated = torch.cat((entry[1], new), dim=-2)
+        else:
+            rotated = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
+        layers[index] = (length, rotated, weakref.ref(key))
+        return rotated
+
+    def _attend(
+        self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True, rotated_key=None
+    ):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
-        else computed here and let go."""
+        else computed here and let go. `rotated_key`: the keys already rotated (_kept_keys)."""
         layout = self.rotary.geometry.layout
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
+        if rotated_key is not None:
+            return attend(module, apply_rotary(query, q_cos, q_sin, layout), rotated_key, value, mask, **kwargs)
         if held:
             k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         else:
