@@ -9,12 +9,13 @@ import weakref
 
 import pytest
 import torch
-from helpers import load_llama
 from transformers import DynamicCache
 
 import rope_ext
 import rope_ext.attention.rotate
 import rope_ext.rotation
+
+from helpers import load_llama
 
 
 class CosSinCalls:
