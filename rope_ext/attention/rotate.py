@@ -20,7 +20,8 @@ from .parts import causal_mask, hides_keys
 class RotatedKeys:
     """Each KV cache's keys (by the cache object's identity, weakly, as rotary.KeyPositions) rotated
     under one scaling, per layer, kept between the forwards of a decode: a step whose scaling has
-    not changed rotates only its new keys. It doubles the memory of the key cache.
+    not changed rotates only its new keys. It takes as much memory as the key cache again, and up
+    to a quarter more (room for the next steps' keys).
 
     A layer's rotated keys hold while the layer's key tensor is the one they were rotated from:
     transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
@@ -35,7 +36,8 @@ class RotatedKeys:
         return (RotatedKeys, ())
 
     def layers(self, cache) -> dict:
-        """{layer index: (length, rotated keys, weak reference to the key tensor they came from)}."""
+        """{layer index: (length, number of keys, (B, H, D), rotated keys in a buffer with room for
+        more, weak reference to the key tensor they came from)}."""
         found = next((layers for ref, layers in self._caches if ref() is cache), None)
         if found is None:
             found = {}
@@ -50,7 +52,7 @@ class RotatedKeys:
             return
         layers = self.layers(cache)
         for index in list(layers):
-            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][2]():
+            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][-1]():
                 del layers[index]
 
 
@@ -282,15 +284,35 @@ class RotateInAttention(AttentionTransform):
             return None
         layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
         kv_len, held = key.shape[-2], key.shape[-2] - q_len
+        shape = (*key.shape[:2], key.shape[-1])
         entry = layers.get(index)
-        fits = entry is not None and entry[1].dtype == key.dtype and entry[1].device == key.device
-        if fits and entry[0] == length and entry[1].shape == (*key.shape[:2], held, key.shape[-1]):
-            new = apply_rotary(key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout)
-            rotated = torch.cat((entry[1], new), dim=-2)
+        if (
+            entry is not None
+            and entry[:3] == (length, held, shape)
+            and entry[3].dtype == key.dtype
+            and entry[3].device == key.device
+        ):
+            buffer = entry[3]
+            if buffer.shape[-2] < kv_len:
+                buffer = self._grown(buffer, key, held)
+            buffer[:, :, held:kv_len] = apply_rotary(
+                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout
+            )
         else:
-            rotated = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
-        layers[index] = (length, rotated, weakref.ref(key))
-        return rotated
+            buffer = self._grown(None, key, 0)
+            buffer[:, :, :kv_len] = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
+        layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
+        return buffer[:, :, :kv_len]
+
+    @staticmethod
+    def _grown(buffer: torch.Tensor | None, key: torch.Tensor, held: int) -> torch.Tensor:
+        """Room for `key`'s keys and a quarter more (a step then writes its keys in place, not a
+        copy of the whole cache), holding `buffer`'s first `held`."""
+        kv_len = key.shape[-2]
+        grown = key.new_empty((*key.shape[:2], kv_len + kv_len // 4 + 64, key.shape[-1]))
+        if held:
+            grown[:, :, :held] = buffer[:, :, :held]
+        return grown
 
     def _attend(
         self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True, rotated_key=None
