@@ -299,19 +299,19 @@ class RotateInAttention(AttentionTransform):
                 key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout
             )
         else:
-            buffer = self._grown(None, key, 0)
-            buffer[:, :, :kv_len] = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
+            # no room yet: where the scaling moves at every step (past the window at granularity 1)
+            # the next step rotates every key again, and room would be a copy for nothing
+            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
         layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
         return buffer[:, :, :kv_len]
 
     @staticmethod
-    def _grown(buffer: torch.Tensor | None, key: torch.Tensor, held: int) -> torch.Tensor:
-        """Room for `key`'s keys and a quarter more (a step then writes its keys in place, not a
-        copy of the whole cache), holding `buffer`'s first `held`."""
+    def _grown(buffer: torch.Tensor, key: torch.Tensor, held: int) -> torch.Tensor:
+        """Room for `key`'s keys and a quarter more (the next steps then write their keys in place,
+        not a copy of the whole cache), holding `buffer`'s first `held`."""
         kv_len = key.shape[-2]
         grown = key.new_empty((*key.shape[:2], kv_len + kv_len // 4 + 64, key.shape[-1]))
-        if held:
-            grown[:, :, :held] = buffer[:, :, :held]
+        grown[:, :, :held] = buffer[:, :, :held]
         return grown
 
     def _attend(
