@@ -127,17 +127,22 @@ class RotatedRows:
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
-def test_a_decode_step_inside_the_window_rotates_only_its_new_keys(tiny_model, heldout_ids, monkeypatch, method):
-    """Inside the trained window a dynamic method's angles do not change from step to step: a decode
-    step rotates its query and its new key in each layer, not the whole cache again."""
-    rope_ext.patch(tiny_model, method, factor=4)
+@pytest.mark.parametrize("prefill, granularity", [(100, 1), (200, 8)])
+def test_a_decode_step_rotates_only_its_new_keys_while_the_scaling_holds(
+    tiny_model, heldout_ids, monkeypatch, method, prefill, granularity
+):
+    """Inside the trained window, and past it within one granularity step (the 128-token window +
+    72 = 9 steps of 8: tokens 200-207 share a scaling), a dynamic method's angles do not change from
+    step to step: a decode step rotates its query and its new key in each layer, not the whole
+    cache again."""
+    rope_ext.patch(tiny_model, method, factor=4, granularity=granularity)
     layers = tiny_model.config.num_hidden_layers
     cache = DynamicCache(config=tiny_model.config)
     with torch.no_grad():
-        tiny_model(heldout_ids[None, :100], cache=cache, use_cache=True)
-        tiny_model(heldout_ids[None, 100:101], cache=cache, use_cache=True)
+        tiny_model(heldout_ids[None, :prefill], cache=cache, use_cache=True)
+        tiny_model(heldout_ids[None, prefill : prefill + 1], cache=cache, use_cache=True)
         counter = RotatedRows(monkeypatch)
-        tiny_model(heldout_ids[None, 101:102], cache=cache, use_cache=True)
+        tiny_model(heldout_ids[None, prefill + 1 : prefill + 2], cache=cache, use_cache=True)
     assert counter.rows == 2 * layers
 
 

@@ -282,6 +282,8 @@ class RotateInAttention(AttentionTransform):
             return None
         if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
+        if not self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)):
+            return None  # the next step rotates every key again: nothing to keep
         layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
         kv_len, held = key.shape[-2], key.shape[-2] - q_len
         shape = (*key.shape[:2], key.shape[-1])
@@ -304,6 +306,14 @@ class RotateInAttention(AttentionTransform):
             buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
         layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
         return buffer[:, :, :kv_len]
+
+    def _scaling_holds(self, frame) -> bool:
+        """Whether the next token's scaling is this forward's (inside the window, or within a
+        granularity step past it): only then are this forward's rotated keys of use to the next."""
+        rotation = getattr(self.rotary, "rotation", None)
+        if rotation is None:
+            return True
+        return bool((rotation.scaled_lengths(frame.q_pos[:, -1:] + 1) == frame.lengths[:, -1:]).all())
 
     @staticmethod
     def _grown(buffer: torch.Tensor, key: torch.Tensor, held: int) -> torch.Tensor:
