@@ -3,6 +3,7 @@ positions once per forward, not once per layer, and, for the dynamic methods' ca
 O(length) of them at any number of groups. Results stay those of the full forward
 (test_dynamic_cache.py, test_attention_methods.py)."""
 
+import copy
 import sys
 import weakref
 
@@ -73,6 +74,28 @@ def test_a_decode_step_computes_cos_sin_once_not_per_layer(tiny_path, heldout_id
     assert calls[4] == calls[1]
 
 
+def prefill_calls(model, ids, monkeypatch) -> int:
+    """cos_sin calls of one forward over `ids`."""
+    counter = CosSinCalls(monkeypatch)
+    with torch.no_grad():
+        model(ids)
+    monkeypatch.undo()
+    return counter.calls
+
+
+@pytest.mark.parametrize("method, params", [("dca", {"factor": 4}), ("yarn_dca", {"factor": 4})])
+def test_a_prefill_computes_cos_sin_once_not_per_layer(tiny_path, heldout_ids, monkeypatch, method, params):
+    """A prefill past the window rotates every chunk's queries and keys by the same positions in
+    every layer: the 4-layer tiny model computes as many cos/sin as its first layer alone."""
+    ids = heldout_ids[None, :300]  # several chunks past the 128-token window
+    calls = {}
+    for layers in (1, 4):
+        model = load_llama(tiny_path, num_hidden_layers=layers)
+        rope_ext.patch(model, method, **params)
+        calls[layers] = prefill_calls(model, ids, monkeypatch)
+    assert calls[4] == calls[1]
+
+
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
 def test_causal_schedule_holds_cos_sin_of_a_few_groups(tiny_model, heldout_ids, monkeypatch, method):
     """A prompt 96 tokens past the window at granularity 1 is 97 groups, each rotating its whole
@@ -87,3 +110,81 @@ def test_causal_schedule_holds_cos_sin_of_a_few_groups(tiny_model, heldout_ids, 
     one_set = 2 * length * tiny_model.config.head_dim  # cos and sin of every key
     held = counter.held() / one_set
     assert held <= rope_ext.attention.rotate.RotateInAttention.HELD_GROUPS + 1, held
+
+
+class RotatedRows:
+    """Counts the rows (tokens) rope_ext's attention rotates, queries and keys."""
+
+    def __init__(self, monkeypatch):
+        self.rows = 0
+        original = rope_ext.attention.rotate.apply_rotary
+
+        def counted(x, *args, **kwargs):
+            self.rows += x.shape[-2]
+            return original(x, *args, **kwargs)
+
+        monkeypatch.setattr(rope_ext.attention.rotate, "apply_rotary", counted)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+@pytest.mark.parametrize("prefill, granularity", [(100, 1), (200, 8)])
+def test_a_decode_step_rotates_only_its_new_keys_while_the_scaling_holds(
+    tiny_model, heldout_ids, monkeypatch, method, prefill, granularity
+):
+    """Inside the trained window, and past it within one granularity step (the 128-token window +
+    72 = 9 steps of 8: tokens 200-207 share a scaling), a dynamic method's angles do not change from
+    step to step: a decode step rotates its query and its new key in each layer, not the whole
+    cache again."""
+    rope_ext.patch(tiny_model, method, factor=4, granularity=granularity)
+    layers = tiny_model.config.num_hidden_layers
+    cache = DynamicCache(config=tiny_model.config)
+    with torch.no_grad():
+        tiny_model(heldout_ids[None, :prefill], cache=cache, use_cache=True)
+        tiny_model(heldout_ids[None, prefill : prefill + 1], cache=cache, use_cache=True)
+        counter = RotatedRows(monkeypatch)
+        tiny_model(heldout_ids[None, prefill + 1 : prefill + 2], cache=cache, use_cache=True)
+    assert counter.rows == 2 * layers
+
+
+def decode_logits(model, cache, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True).logits[:, -1]
+
+
+def full_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits[:, -1]
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, heldout_ids, method):
+    """The rotated keys kept between steps are those of the cache as it is: after a crop, a deepcopy,
+    a beam reorder and a batch repeat, each next step equals the full forward of what the cache
+    holds, inside the window and past it (where the schedule changes the angles)."""
+    rope_ext.patch(tiny_model, method, factor=4)
+    rows = torch.stack((heldout_ids[:200], heldout_ids[300:500]))
+    for end in (90, 160):  # inside the 128-token window, and past it
+        cache = DynamicCache(config=tiny_model.config)
+        with torch.no_grad():
+            tiny_model(rows[:, : end - 2], cache=cache, use_cache=True)
+        decode_logits(tiny_model, cache, rows[:, end - 2 : end - 1])
+        decode_logits(tiny_model, cache, rows[:, end - 1 : end])
+        cache.crop(-2)  # the last two keys go: the next step is position end - 2 again
+        step = decode_logits(tiny_model, cache, rows[:, end - 2 : end - 1])
+        torch.testing.assert_close(step, full_logits(tiny_model, rows[:, : end - 1]), rtol=0, atol=1e-4)
+
+        copied = copy.deepcopy(cache)
+        tiny_model.model.rotary_emb.copy_positions(cache, copied, end - 1)
+        step = decode_logits(tiny_model, copied, rows[:, end - 1 : end])
+        torch.testing.assert_close(step, full_logits(tiny_model, rows[:, :end]), rtol=0, atol=1e-4)
+
+        cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: row 0 now holds the second sequence
+        swapped = rows.flip(0)
+        step = decode_logits(tiny_model, cache, swapped[:, end - 1 : end])
+        torch.testing.assert_close(step, full_logits(tiny_model, swapped[:, :end]), rtol=0, atol=1e-4)
+
+        cache.batch_repeat_interleave(2)
+        tiny_model.model.rotary_emb.repeat_positions(cache, 2)
+        repeated = swapped.repeat_interleave(2, dim=0)
+        step = decode_logits(tiny_model, cache, repeated[:, end : end + 1])
+        torch.testing.assert_close(step, full_logits(tiny_model, repeated[:, : end + 1]), rtol=0, atol=1e-4)

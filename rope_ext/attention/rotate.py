@@ -5,14 +5,55 @@ for this forward, before the backend sees them."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from rope_ext.rotation import apply_rotary, cos_sin
 
 from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
+
+
+class RotatedKeys:
+    """Each KV cache's keys (by the cache object's identity, weakly, as rotary.KeyPositions) rotated
+    under one scaling, per layer, kept between the forwards of a decode: a step whose scaling has
+    not changed rotates only its new keys. It takes as much memory as the key cache again, and up
+    to a quarter more (room for the next steps' keys).
+
+    A layer's rotated keys hold while the layer's key tensor is the one they were rotated from:
+    transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
+    batch_repeat_interleave, batch_select_indices), so a cache changed between forwards is rotated
+    again in full, never served stale. Other cache layers (which may write in place) are always
+    rotated in full. A copy of the store (deepcopy or pickle of the model) starts empty."""
+
+    def __init__(self):
+        self._caches: list[tuple[weakref.ref, dict]] = []
+
+    def __reduce__(self):
+        return (RotatedKeys, ())
+
+    def layers(self, cache) -> dict:
+        """{layer index: (length, number of keys, (B, H, D), rotated keys in a buffer with room for
+        more, weak reference to the key tensor they came from)}."""
+        found = next((layers for ref, layers in self._caches if ref() is cache), None)
+        if found is None:
+            found = {}
+            self._caches = [(ref, layers) for ref, layers in self._caches if ref() is not None]
+            self._caches.append((weakref.ref(cache), found))
+        return found
+
+    def check(self, cache) -> None:
+        """Before a forward: let go of the layers of `cache` changed since they were rotated."""
+        cache_layers = getattr(cache, "layers", None)
+        if cache_layers is None:
+            return
+        layers = self.layers(cache)
+        for index in list(layers):
+            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][-1]():
+                del layers[index]
 
 
 class RotateInAttention(AttentionTransform):
@@ -35,6 +76,7 @@ class RotateInAttention(AttentionTransform):
         self.rotary = rotary
         self._hooks: list = []
         self._forward: tuple = (None, {})
+        self.rotated = RotatedKeys()
 
     def attach(self, site) -> None:
         """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
@@ -46,7 +88,10 @@ class RotateInAttention(AttentionTransform):
         ]
 
     def _before_forward(self, module, args, kwargs) -> None:
-        self.rotary.before_forward(passed_cache(kwargs))
+        cache = passed_cache(kwargs)
+        self.rotary.before_forward(cache)
+        if cache is not None:
+            self.rotated.check(cache)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         self.rotary.after_forward(getattr(output, "cache", None))
@@ -72,8 +117,20 @@ class RotateInAttention(AttentionTransform):
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
+            kept = self._kept_keys(module, key, frame, groups[0][0], q_len)
             return self._attend(
-                module, query, key, value, attention_mask, attend, frame, groups[0][0], (0, q_len), (first_key, written), kwargs
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                attend,
+                frame,
+                groups[0][0],
+                (0, q_len),
+                (first_key, written),
+                kwargs,
+                rotated_key=kept,
             )
         offset = kv_len - q_len
         out = weights = None
@@ -218,11 +275,70 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
+    def _kept_keys(self, module, key, frame, length: int, q_len: int) -> torch.Tensor | None:
+        """`key` (a DynamicLayer's whole cache, without autograd) rotated under `length`'s scaling:
+        the keys before this forward from the store (self.rotated) where it holds them under that
+        scaling, the new ones rotated here; the store then holds them all. None where the store
+        does not apply (another cache layer, a forward that records gradients)."""
+        cache, index = self.rotary.pending_cache, getattr(module, "layer_idx", None)
+        cache_layers = getattr(cache, "layers", None)
+        if torch.is_grad_enabled() or index is None or cache_layers is None or index >= len(cache_layers):
+            return None
+        if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
+            return None
+        if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+            return None
+        if not self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)):
+            return None  # the next step rotates every key again: nothing to keep
+        layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
+        kv_len, held = key.shape[-2], key.shape[-2] - q_len
+        shape = (*key.shape[:2], key.shape[-1])
+        entry = layers.get(index)
+        if (
+            entry is not None
+            and entry[:3] == (length, held, shape)
+            and entry[3].dtype == key.dtype
+            and entry[3].device == key.device
+        ):
+            buffer = entry[3]
+            if buffer.shape[-2] < kv_len:
+                buffer = self._grown(buffer, key, held)
+            buffer[:, :, held:kv_len] = apply_rotary(
+                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout
+            )
+        else:
+            # no room yet: where the scaling moves at every step (past the window at granularity 1)
+            # the next step rotates every key again, and room would be a copy for nothing
+            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
+        layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
+        return buffer[:, :, :kv_len]
+
+    def _scaling_holds(self, frame) -> bool:
+        """Whether the next token's scaling is this forward's (inside the window, or within a
+        granularity step past it): only then are this forward's rotated keys of use to the next."""
+        rotation = getattr(self.rotary, "rotation", None)
+        if rotation is None:
+            return True
+        return bool((rotation.scaled_lengths(frame.q_pos[:, -1:] + 1) == frame.lengths[:, -1:]).all())
+
+    @staticmethod
+    def _grown(buffer: torch.Tensor, key: torch.Tensor, held: int) -> torch.Tensor:
+        """Room for `key`'s keys and a quarter more (the next steps then write their keys in place,
+        not a copy of the whole cache), holding `buffer`'s first `held`."""
+        kv_len = key.shape[-2]
+        grown = key.new_empty((*key.shape[:2], kv_len + kv_len // 4 + 64, key.shape[-1]))
+        grown[:, :, :held] = buffer[:, :, :held]
+        return grown
+
+    def _attend(
+        self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True, rotated_key=None
+    ):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
-        else computed here and let go."""
+        else computed here and let go. `rotated_key`: the keys already rotated (_kept_keys)."""
         layout = self.rotary.geometry.layout
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
+        if rotated_key is not None:
+            return attend(module, apply_rotary(query, q_cos, q_sin, layout), rotated_key, value, mask, **kwargs)
         if held:
             k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         else:

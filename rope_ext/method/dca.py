@@ -127,12 +127,13 @@ class DualChunkAttention(RotateInAttention):
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.rotate_to(query[:, :, :exact], positions[:, :exact], inv_freq, scale)
-            k_own = self.rotate_to(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale)
+            q_own = self.rotate_to(query[:, :, :exact], positions[:, :exact], inv_freq, scale, key=("own",))
+            k_own = self.rotate_to(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale, key=("own", kv_len))
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            keys = self.rotate_to(key, k_pos[:1] % span, inv_freq, scale)  # every key at its place in its chunk
+            # every key at its place in its chunk
+            keys = self.rotate_to(key, k_pos[:1] % span, inv_freq, scale, key=("in chunk", kv_len))
             rows = positions[0, exact:]
             chunks = torch.div(rows, span, rounding_mode="floor")
             for n in torch.unique_consecutive(chunks).tolist():
@@ -165,17 +166,18 @@ class DualChunkAttention(RotateInAttention):
         lo = int(positions[0, 0]) - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
         within = positions % span
-        q_intra = self.rotate_to(query, within, inv_freq, scale)
+        # the rows of chunk n are the same in every layer of the forward: n names their positions
+        q_intra = self.rotate_to(query, within, inv_freq, scale, key=("intra", n))
         parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
         if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
             out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
             parts.append((out, lse, None))
         if start > previous:
-            q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale)
+            q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale, key=("successive", n))
             out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
             parts.append((out, lse, None))
         if previous > 0:
-            q_inter = self.rotate_to(query, torch.full_like(positions, chunk - 1), inv_freq, scale)
+            q_inter = self.rotate_to(query, torch.full_like(positions, chunk - 1), inv_freq, scale, key=("inter", n))
             out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
             parts.append((out, lse, None))
         return merge_by_lse(parts)
