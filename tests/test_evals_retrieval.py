@@ -83,11 +83,11 @@ def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_
     assert "retained" in table and "95% interval" in table and f"{TRAINED}-token window" in table
 
 
-def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,)):
+def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,), model=None):
     trials_ = [{"length": n, "depth": d, "trial": t, "correct": True} for n in lengths for d in depths for t in range(trials)]
     path.mkdir()
     (path / "passkey.json").write_text(
-        json.dumps({"setup": {"method": method, "trials": trials, "seed": seed}, "trials": trials_})
+        json.dumps({"setup": {"model": model, "method": method, "trials": trials, "seed": seed}, "trials": trials_})
     )
     return path
 
@@ -143,6 +143,15 @@ def test_a_missing_baseline_is_refused_before_the_model_loads(no_model, tmp_path
 
 
 def test_a_baseline_at_another_length_than_the_trained_window_is_refused(tiny_path, tmp_path):
-    base = baseline_file(tmp_path / "base", lengths=(200,))
+    base = baseline_file(tmp_path / "base", lengths=(200,), model=tiny_path.name)
     with pytest.raises(ValueError, match="not at the trained window 128"):
         run_passkey(tiny_path, tmp_path / "out", "--lengths", "256", "--method", "yarn", "--factor", "2", "--baseline", str(base))
+
+
+def test_a_baseline_of_another_model_is_refused_before_the_measurement(tiny_path, tmp_path):
+    """The baseline is the run's own base model at its window: a file measured on another model
+    (same depths, trials and seed) is refused naming both, before any trial is asked."""
+    base = baseline_file(tmp_path / "base", model="smollm2-135m-0123456789ab")
+    with pytest.raises(ValueError, match=f"measured model 'smollm2-135m-0123456789ab', not '{tiny_path.name}'"):
+        run_passkey(tiny_path, tmp_path / "out", "--lengths", "256", "--method", "yarn", "--factor", "2", "--baseline", str(base))
+    assert not (tmp_path / "out" / "passkey.partial.json").exists()
