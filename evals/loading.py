@@ -222,7 +222,11 @@ def warn_beyond_capacity(model, positions: int, what: str) -> bool:
 
 def model_label(model) -> str:
     """A short name for tables and plots: the checkpoint folder's name or the hub id."""
-    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    return name_label(getattr(model.config, "_name_or_path", None) or type(model).__name__)
+
+
+def name_label(name: str) -> str:
+    """model_label of a model loaded from `name`."""
     return Path(name).name if Path(name).is_absolute() else name
 
 

@@ -30,7 +30,8 @@ from tqdm import tqdm
 from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
 from rope_ext import method as registry
-from rope_ext.record import FINETUNE_FILE
+from rope_ext.defaults import resolve_checkpoint
+from rope_ext.record import FINETUNE_FILE, read_finetune
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
 from rope_ext.method.base import Method
 
@@ -382,11 +383,13 @@ def same_setup(stopped: dict, setup: dict) -> None:
 
 
 def base_name(args: argparse.Namespace, model) -> str | None:
-    """The name of the unpatched model a run extends, as its baseline run's setup records it: the
-    model's own (a fine-tune loads from its base, the embedded model's name hashes its GGUF bytes);
-    None for a checkpoint saved patched, whose config does not name its base."""
-    finetune = args.model is not None and (Path(args.model).expanduser() / FINETUNE_FILE).is_file()
-    if args.method is None and not finetune and loading.patched(model) is not None:
+    """The name of the unpatched model a run extends, as its baseline run's setup records it: a
+    fine-tune's base (its record names it), else the model's own (the embedded model's name hashes
+    its GGUF bytes); None for a checkpoint saved patched, whose config does not name its base."""
+    folder = None if args.model is None else Path(args.model).expanduser()
+    if folder is not None and (folder / FINETUNE_FILE).is_file():
+        return loading.name_label(resolve_checkpoint(read_finetune(folder)[0]))
+    if args.method is None and loading.patched(model) is not None:
         return None
     return loading.model_label(model)
 
