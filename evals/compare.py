@@ -35,20 +35,6 @@ def default_methods() -> list[str]:
     return [loading.PLAIN, *rope_ext.methods()]
 
 
-def split_items(spec: str, text: str) -> list[str]:
-    """'a=1,b=[1.0,2.0]' -> ['a=1', 'b=[1.0,2.0]']: a comma inside brackets belongs to a list value
-    (longrope's factor lists)."""
-    items, depth, start = [], 0, 0
-    for index, char in enumerate(text):
-        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            items.append(text[start:index])
-            start = index + 1
-    if depth != 0:
-        raise ValueError(f"--methods: unbalanced brackets in {spec!r}")
-    return [*items, text[start:]]
-
-
 def parse_specs(specs: list[str], items: list[str]) -> list[tuple[str, str, dict]]:
     """Method specs and --param items -> [(label, method, params)].
 
@@ -58,7 +44,7 @@ def parse_specs(specs: list[str], items: list[str]) -> list[tuple[str, str, dict
     runs = []
     for spec in specs:
         method, _, rest = spec.partition(":")
-        runs.append((spec, method, loading.parse_params(split_items(spec, rest)) if rest else {}))
+        runs.append((spec, method, loading.parse_params(loading.split_items(f"--methods {spec}", rest)) if rest else {}))
     labels = [label for label, _, _ in runs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--methods lists a spec twice: {' '.join(labels)}")

@@ -82,7 +82,7 @@ def test_a_spec_takes_list_values_such_as_longrope_factor_lists():
     assert runs[0][1:] == ("longrope", {"short_factor": [1.0, 1.25], "long_factor": [2.0, 4.0], "causal": False})
     runs = compare.parse_specs(["longrope"], ["longrope:long_factor=[2.0,4.0]"])
     assert runs[0][2] == {"long_factor": [2.0, 4.0]}
-    with pytest.raises(ValueError, match=r"unbalanced brackets in 'longrope:long_factor=\[2.0,4.0'"):
+    with pytest.raises(ValueError, match=r"unbalanced brackets in 'long_factor=\[2.0,4.0'"):
         compare.parse_specs(["longrope:long_factor=[2.0,4.0"], [])
 
 
