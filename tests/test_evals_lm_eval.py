@@ -49,7 +49,10 @@ def test_model_args_take_longrope_factor_lists(tiny_path):
 @pytest.mark.parametrize(
     "model_args, message",
     [
-        ("method=nope,factor=2", "model_args: unknown method 'nope'; valid methods: linear"),
+        (
+            "method=nope,factor=2",
+            "model_args: unknown method 'nope' (did you mean 'longrope' or 'rerope'?); valid methods: linear",
+        ),
         ("method=yarn", "model_args: method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
         ("method=yarn,factor=abc", "model_args: factor must be a finite number > 1 and <= 1048576, got 'abc'"),
         ("factor=2", "model_args factor=2 needs a method=<"),
