@@ -44,7 +44,7 @@ def parse_specs(specs: list[str], items: list[str]) -> list[tuple[str, str, dict
     runs = []
     for spec in specs:
         method, _, rest = spec.partition(":")
-        runs.append((spec, method, loading.parse_params(rest.split(",")) if rest else {}))
+        runs.append((spec, method, loading.parse_params(loading.split_items(f"--methods {spec}", rest)) if rest else {}))
     labels = [label for label, _, _ in runs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--methods lists a spec twice: {' '.join(labels)}")

@@ -35,6 +35,7 @@ require("eval", "the rope_ext lm-eval model type", ("lm_eval", "datasets"))
 import torch  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.utils import handle_arg_string  # noqa: E402
 
 import rope_ext
 from rope_ext import method as registry
@@ -132,6 +133,18 @@ def unknown_key(err: TypeError, method: str | None) -> ModelArgsError | None:
 @register_model("rope_ext")
 class RopeExtLM(HFLM):
     """lm-eval's HF causal LM with a rope-ext patch applied after loading."""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """As lm-eval's (the Python route: simple_evaluate with a model_args string), except that a
+        comma inside brackets belongs to a list value (longrope's factors), which lm-eval's own
+        parser there splits; its command line keeps such a list whole already."""
+        args = {}
+        for item in loading.split_items("model_args", (arg_string or "").strip()):
+            if item:
+                key, _, value = item.partition("=")
+                args[key] = loading.parse_value(value) if value.lstrip().startswith("[") else handle_arg_string(value)
+        return cls(**args, **{k: v for k, v in (additional_config or {}).items() if v is not None})
 
     def __init__(
         self,

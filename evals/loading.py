@@ -45,6 +45,20 @@ def parse_params(items: list[str]) -> dict:
     return params
 
 
+def split_items(where: str, text: str) -> list[str]:
+    """'a=1,b=[1.0,2.0]' -> ['a=1', 'b=[1.0,2.0]']: a comma inside brackets belongs to a list value
+    (longrope's factor lists)."""
+    items, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"[": 1, "(": 1, "]": -1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    if depth != 0:
+        raise ValueError(f"{where}: unbalanced brackets in {text!r}")
+    return [*items, text[start:]]
+
+
 def resolve_device(device: str | None) -> str:
     import torch
 
@@ -222,7 +236,11 @@ def warn_beyond_capacity(model, positions: int, what: str) -> bool:
 
 def model_label(model) -> str:
     """A short name for tables and plots: the checkpoint folder's name or the hub id."""
-    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    return name_label(getattr(model.config, "_name_or_path", None) or type(model).__name__)
+
+
+def name_label(name: str) -> str:
+    """model_label of a model loaded from `name`."""
     return Path(name).name if Path(name).is_absolute() else name
 
 

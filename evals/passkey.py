@@ -22,6 +22,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,6 +30,8 @@ from tqdm import tqdm
 from rope_ext import arguments
 from rope_ext.arguments import DEFAULT_DEPTHS
 from rope_ext import method as registry
+from rope_ext.defaults import resolve_checkpoint
+from rope_ext.record import FINETUNE_FILE, read_finetune
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
 from rope_ext.method.base import Method
 
@@ -379,13 +382,25 @@ def same_setup(stopped: dict, setup: dict) -> None:
         )
 
 
+def base_name(args: argparse.Namespace, model) -> str | None:
+    """The name of the unpatched model a run extends, as its baseline run's setup records it: a
+    fine-tune's base (its record names it), else the model's own (the embedded model's name hashes
+    its GGUF bytes); None for a checkpoint saved patched, whose config does not name its base."""
+    folder = None if args.model is None else Path(args.model).expanduser()
+    if folder is not None and (folder / FINETUNE_FILE).is_file():
+        return loading.name_label(resolve_checkpoint(read_finetune(folder)[0]))
+    if args.method is None and loading.patched(model) is not None:
+        return None
+    return loading.model_label(model)
+
+
 def run(args: argparse.Namespace, plan) -> int:
     params, out, stopped, baseline = plan
     model, tokenizer, info = loading.model_from_args(args, params)
     if baseline is not None:
         patch = loading.patched(model)
         window = patch.original_window if patch else loading.capacity(model)[0]
-        baseline = retrieval.baseline_summary(baseline, window)
+        baseline = retrieval.baseline_summary(baseline, window, base_name(args, model))
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")

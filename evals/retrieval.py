@@ -80,9 +80,17 @@ def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
         )
 
 
-def baseline_summary(baseline: dict, window: int | None) -> dict:
+def baseline_summary(baseline: dict, window: int | None, base_model: str | None) -> dict:
     """What a result records of its baseline: the file, its length (checked against the model's
-    trained window when known) and its counts."""
+    trained window when known) and its counts. `base_model`: the name (setup's "model") of the
+    unpatched model this run extends, checked to be the baseline's; None where the run's
+    checkpoint does not record its base (a checkpoint saved patched)."""
+    theirs = baseline["setup"].get("model")
+    if base_model is not None and theirs != base_model:
+        raise ValueError(
+            f"--baseline: {baseline['path']} measured model {theirs!r}, not {base_model!r}, the base of this run; "
+            "retained retrieval divides by the same model's retrieval inside its own window"
+        )
     length = baseline["trials"][0]["length"]
     if window is not None and length != window:
         raise ValueError(f"--baseline: {baseline['path']} was measured at {length} tokens, not at the trained window {window}")

@@ -135,7 +135,8 @@ def model_arguments(parser, *, method: bool = True) -> None:
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false)",
+            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false; a list as "
+            "--param long_factor=[1.0,1.5,2.0], as longrope takes)",
         )
         group.add_argument(
             "--original-window",

@@ -76,6 +76,16 @@ def test_bad_method_parameter_is_refused_before_loading(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_a_spec_takes_list_values_such_as_longrope_factor_lists():
+    """A comma inside brackets belongs to the value: longrope's factor lists fit in a spec."""
+    runs = compare.parse_specs(["longrope:short_factor=[1.0,1.25],long_factor=[2.0,4.0],causal=false"], [])
+    assert runs[0][1:] == ("longrope", {"short_factor": [1.0, 1.25], "long_factor": [2.0, 4.0], "causal": False})
+    runs = compare.parse_specs(["longrope"], ["longrope:long_factor=[2.0,4.0]"])
+    assert runs[0][2] == {"long_factor": [2.0, 4.0]}
+    with pytest.raises(ValueError, match=r"unbalanced brackets in 'long_factor=\[2.0,4.0'"):
+        compare.parse_specs(["longrope:long_factor=[2.0,4.0"], [])
+
+
 @pytest.mark.integration
 def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
     """--ruler-samples: lm-eval's niah_single_1 per method and length, beside perplexity and

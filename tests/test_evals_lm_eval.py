@@ -29,6 +29,19 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
         RopeExtLM(pretrained=str(tiny_path), method="ntk")
 
 
+def test_model_args_take_longrope_factor_lists(tiny_path):
+    """lm-eval's KEY=VALUE parser keeps a bracketed list whole: longrope's factors fit in --model_args."""
+    short, long = [1.0 + 0.02 * i for i in range(16)], [1.0 + 0.4 * i for i in range(16)]
+    text = f"pretrained={tiny_path},method=longrope,factor=4,short_factor={short},long_factor={long}".replace(" ", "")
+    lm = RopeExtLM.create_from_arg_string(text)
+    described = rope_ext.describe(lm.model)
+    assert (described["method"], described["params"]["short_factor"], described["params"]["long_factor"]) == (
+        "longrope",
+        short,
+        long,
+    )
+
+
 # Bad --model_args: one line that names the key, exit status 2, and nothing loaded or run.
 
 
@@ -36,7 +49,10 @@ def test_model_type_patches_and_sets_max_length(tiny_path):
 @pytest.mark.parametrize(
     "model_args, message",
     [
-        ("method=nope,factor=2", "model_args: unknown method 'nope'; valid methods: linear"),
+        (
+            "method=nope,factor=2",
+            "model_args: unknown method 'nope' (did you mean 'longrope' or 'rerope'?); valid methods: linear",
+        ),
         ("method=yarn", "model_args: method 'yarn' needs a factor (the scale relative to the original window, > 1)"),
         ("method=yarn,factor=abc", "model_args: factor must be a finite number > 1 and <= 1048576, got 'abc'"),
         ("factor=2", "model_args factor=2 needs a method=<"),

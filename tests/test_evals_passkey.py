@@ -387,3 +387,50 @@ def test_resume_names_the_file_and_what_is_wrong_before_the_model_loads(tiny_pat
     capsys.readouterr()
     line = cli_error_line(["eval", "passkey", "--lengths", "120", "--output", str(out), "--resume"], capsys)
     assert f"--resume: {path}" in line and words in line and "without --resume" in line
+
+
+def test_longrope_takes_its_factor_lists_from_the_command_line_and_resumes(tiny_path, tmp_path, monkeypatch):
+    """`--param long_factor=[...]`: a list value reaches the patch, the results record it, and a
+    stopped run resumes (the lists compare equal after the partial file's JSON round trip)."""
+    asked = []
+
+    def answerer(*args, stop_after=None, **kwargs):
+        def answer(prompt):
+            if len(asked) == stop_after:
+                raise KeyboardInterrupt
+            asked.append(prompt.depth)
+            return f" {prompt.key}."
+
+        return answer
+
+    short, long = [1.0 + 0.02 * i for i in range(16)], [1.0 + 0.4 * i for i in range(16)]
+    argv = [
+        "--model",
+        str(tiny_path),
+        "--method",
+        "longrope",
+        "--factor",
+        "4",
+        "--param",
+        f"short_factor={short}",
+        "--param",
+        f"long_factor={long}".replace(" ", ""),
+        "--lengths",
+        "256",
+        "--depths",
+        "0.2",
+        "0.8",
+        "--trials",
+        "1",
+        "--no-progress",
+        "--output",
+        str(tmp_path / "pk"),
+    ]
+    monkeypatch.setattr(passkey, "model_answerer", lambda *a, **k: answerer(stop_after=1))
+    with pytest.raises(KeyboardInterrupt):
+        passkey.main(argv)
+    monkeypatch.setattr(passkey, "model_answerer", answerer)
+    assert passkey.main(argv + ["--resume"]) == 0
+    assert sorted(asked) == [0.2, 0.8]  # each trial asked once: the resumed run only the one not kept
+    setup = json.loads((tmp_path / "pk" / "passkey.json").read_text())["setup"]
+    assert (setup["method"], setup["params"]["short_factor"], setup["params"]["long_factor"]) == ("longrope", short, long)

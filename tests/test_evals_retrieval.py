@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import rope_ext
 from rope_ext import cli
 from rope_ext.evals import passkey, retrieval
 
@@ -83,11 +84,11 @@ def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_
     assert "retained" in table and "95% interval" in table and f"{TRAINED}-token window" in table
 
 
-def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,)):
+def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,), model=None):
     trials_ = [{"length": n, "depth": d, "trial": t, "correct": True} for n in lengths for d in depths for t in range(trials)]
     path.mkdir()
     (path / "passkey.json").write_text(
-        json.dumps({"setup": {"method": method, "trials": trials, "seed": seed}, "trials": trials_})
+        json.dumps({"setup": {"model": model, "method": method, "trials": trials, "seed": seed}, "trials": trials_})
     )
     return path
 
@@ -143,6 +144,35 @@ def test_a_missing_baseline_is_refused_before_the_model_loads(no_model, tmp_path
 
 
 def test_a_baseline_at_another_length_than_the_trained_window_is_refused(tiny_path, tmp_path):
-    base = baseline_file(tmp_path / "base", lengths=(200,))
+    base = baseline_file(tmp_path / "base", lengths=(200,), model=tiny_path.name)
     with pytest.raises(ValueError, match="not at the trained window 128"):
         run_passkey(tiny_path, tmp_path / "out", "--lengths", "256", "--method", "yarn", "--factor", "2", "--baseline", str(base))
+
+
+def test_a_baseline_of_another_model_is_refused_before_the_measurement(tiny_path, tmp_path):
+    """The baseline is the run's own base model at its window: a file measured on another model
+    (same depths, trials and seed) is refused naming both, before any trial is asked."""
+    base = baseline_file(tmp_path / "base", model="smollm2-135m-0123456789ab")
+    with pytest.raises(ValueError, match=f"measured model 'smollm2-135m-0123456789ab', not '{tiny_path.name}'"):
+        run_passkey(tiny_path, tmp_path / "out", "--lengths", "256", "--method", "yarn", "--factor", "2", "--baseline", str(base))
+    assert not (tmp_path / "out" / "passkey.partial.json").exists()
+
+
+def test_a_fine_tune_is_compared_with_the_baseline_of_its_base(tiny_model, tiny_tokenizer, tiny_path, tmp_path):
+    """A fine-tune folder's results name the folder; its baseline is its base model's run."""
+    from peft import LoraConfig, get_peft_model
+
+    from rope_ext.saving import save_record
+
+    rope_ext.patch(tiny_model, "yarn", factor=2)
+    tuned = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    out = tmp_path / "tiny_yarn_x2"
+    tuned.save_pretrained(out)
+    tiny_tokenizer.save_pretrained(out)
+    save_record(out, str(tiny_path), tuned)
+    own = baseline_file(tmp_path / "own", model=tiny_path.name)
+    result = run_passkey(out, tmp_path / "ft", "--lengths", "256", "--baseline", str(own))
+    assert result["setup"]["model"] == "tiny_yarn_x2" and result["baseline"]["path"].endswith("own/passkey.json")
+    other = baseline_file(tmp_path / "other", model="tiny_yarn_x2")
+    with pytest.raises(ValueError, match=f"measured model 'tiny_yarn_x2', not '{tiny_path.name}'"):
+        run_passkey(out, tmp_path / "ft2", "--lengths", "256", "--baseline", str(other))

@@ -62,12 +62,21 @@ def test_output_attentions_is_refused_where_the_patch_has_no_weights(tiny_model,
         tiny_model(heldout_ids[None, : 2 * window], output_attentions=True)
 
 
-@pytest.mark.parametrize("method, params", [("dynamic", {}), ("dynamic_yarn", {}), ("alibi_hybrid", {"rope": "dynamic"})])
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("dynamic", {"granularity": 8}),
+        ("dynamic_yarn", {"granularity": 8}),
+        ("alibi_hybrid", {"rope": "dynamic", "granularity": 8}),
+        ("longrope", {}),
+    ],
+)
 def test_output_attentions_of_the_rotation_inside_attention_are_its_weights(tiny_model, heldout_ids, method, params):
     """Past the window the causal schedule attends in groups of rows; the weights gathered from the
     groups are those each row has when decoded alone (one call through eager)."""
     tiny_model.set_attn_implementation("eager")
-    rope_ext.patch(tiny_model, method, factor=4, granularity=8, **params)
+    pairs = tiny_model.config.hidden_size // tiny_model.config.num_attention_heads // 2
+    rope_ext.patch(tiny_model, method, factor=4, **required_params(method, pairs), **params)
     window = tiny_model.config.max_position_embeddings
     ids = heldout_ids[None, : 2 * window]
     with torch.no_grad():

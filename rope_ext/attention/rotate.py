@@ -78,6 +78,11 @@ class RotateInAttention(AttentionTransform):
         self._forward: tuple = (None, {})
         self.rotated = RotatedKeys()
 
+    def __getstate__(self):
+        # pickled by torch.save(model): what a forward left (its frame, whose lru_cache does not
+        # pickle, and what it computed from it) is not state
+        return {**self.__dict__, "_forward": (None, {})}
+
     def attach(self, site) -> None:
         """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
         The hooks are bound methods, not closures: `copy.deepcopy` of the model then gives hooks
