@@ -102,11 +102,6 @@ class RotateInAttention(AttentionTransform):
         self.rotary.after_forward(getattr(output, "cache", None))
         self._forward = (None, {})  # the forward's cos/sin would otherwise stay held until the next one
 
-    def __getstate__(self):
-        # torch.save(model): what one forward computed is not state (and holds the frame's cached
-        # frequency function, which does not pickle)
-        return {**self.__dict__, "_forward": (None, {})}
-
     def detach(self, site) -> None:
         for handle in self._hooks:
             handle.remove()
