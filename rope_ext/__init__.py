@@ -8,6 +8,7 @@ The names below load their module (and torch) on first use, so that `rope-ext --
 `rope-ext --version` start without them.
 """
 
+import warnings
 from importlib import import_module, metadata
 
 __version__ = "0.1.0"
@@ -15,15 +16,23 @@ __version__ = "0.1.0"
 # The transformers versions rope-ext accepts (docs/compatibility.md: .ci/floors tests the floor);
 # pyproject.toml pins the same range.
 TRANSFORMERS = ">=5.24,<6"
+NEWEST_TESTED = "5.24"  # the newest transformers minor release .ci/floors has passed on
 
 
 def check_transformers(found: str) -> None:
-    """ImportError, with the reason, unless transformers `found` is in the tested range (a
-    development build of a version in it counts)."""
+    """ImportError, with the reason, unless transformers `found` is in the accepted range (a
+    development build of a version in it counts); a warning for a release in it newer than any
+    the suite has passed on."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
     if SpecifierSet(TRANSFORMERS).contains(found, prereleases=True):
+        if Version(found).release[:2] > Version(NEWEST_TESTED).release[:2]:
+            warnings.warn(
+                f"rope-ext's suite has passed on transformers up to {NEWEST_TESTED}, not on {found}: "
+                f"`.ci/floors transformers=={found}` in a checkout runs its cache and decode tests on it",
+                stacklevel=2,
+            )
         return
     if Version(found) < Version("5.24"):
         reason = (
