@@ -30,7 +30,7 @@ from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
-# positions, up to a patch's length, at which a native form is checked against the patch
+# positions spread over a window, at which a native form is checked against the patch
 PROBE_POSITIONS = 257
 
 
@@ -69,23 +69,26 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
 
 def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length: int) -> bool:
     """Whether the model's own rotary class, built from a config holding `native` as transformers
-    reloads it, gives the patch's (cos, sin) bit for bit inside the trained window and across the
-    extended one. Some models read transformers' rope_parameters their own way (Phi-3's config
+    reloads it, gives the patch's (cos, sin) bit for bit at positions spread over the trained window
+    and over the extended one (a call's longest position may choose its scaling, as PhiMoE's does). Some models read transformers' rope_parameters their own way (Phi-3's config
     turns a yarn type into longrope; PhiMoE's rotary reads mscale keys yarn does not have): for
-    them the native form would reload another model, so the patch writes none."""
+    them the native form would reload another model, so the patch writes none. For a dynamic
+    method, whose rotation happens inside attention, the class must build and run from it."""
     written = copy.deepcopy(config)
     write_native(written, native, rotary.original, max_length)
     device = rotary.inv_freq.device
     x = torch.zeros(1, device=device)
-    spans = (
-        torch.arange(min(max_length, rotary.geometry.original_window), device=device),
-        torch.linspace(0, max_length - 1, PROBE_POSITIONS, device=device).long(),
-    )
+    spans = [
+        torch.linspace(0, end - 1, PROBE_POSITIONS, device=device).round().long()
+        for end in (min(max_length, rotary.geometry.original_window), max_length)
+    ]
     try:
         twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
         outputs = [(twin(x, positions[None]), rotary(x, positions[None])) for positions in spans]
     except Exception:  # a config the model's own class cannot read has no native form for it
         return False
+    if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it
+        return True
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 

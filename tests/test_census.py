@@ -1,13 +1,17 @@
 """The census (issue #26): every causal-LM architecture of the installed transformers that builds as
 a tiny random model with a rotary embedding is either patched exactly or refused with a reason
-from the probe's fixed list (patches/probe.py REASONS). Patched exactly means, on fp32 logits:
+from the probe's fixed list (patches/probe.py REASONS); no type is accepted and then inexact.
+Patched exactly means, on fp32 logits:
 
 - yarn x4 equals transformers' natively configured twin (the patched config reloaded by
-  transformers alone) bit for bit, past the window;
-- self_extend, sink_window and dca leave the first window's logits bit-equal (MoE routing may
+  transformers alone) bit for bit, past the window, where the patch writes a native form;
+- each of self_extend, sink_window and dca refuses at patch() (a REASONS key, or the methods' own
+  refusal of sliding-window layers), leaving the model unchanged, or leaves the first window's
+  logits bit-equal to the model without the scaling its checkpoint carries (MoE routing may
   amplify the last bit of a changed summation order: MOE_TOLERANCE, where the model routes);
-- token-by-token decoding past the window equals the full forward (DECODE_TOLERANCE, the gap of
-  fp32 attention over a cache against one call over the whole sequence);
+- token-by-token decoding past the window, under yarn and each accepted attention-side method,
+  equals the full forward (DECODE_TOLERANCE, the gap of fp32 attention over a cache against one
+  call over the whole sequence);
 - rope_ext.from_pretrained of a saved patched model, and unpatch, give the same logits bit for bit.
 
 The census is built once per session and prints its counts; docs/families.md lists the refusals."""
