@@ -19,16 +19,19 @@ from torch import nn
 
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
+from rope_ext.method.attention_side import AttentionMethod
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
 from rope_ext.method.dca import CONFIG_KEY, stated_sizes
 from rope_ext.record import Patch, config_values, restore, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
-from .probe import Refused, Structure, formatted, probe
+from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
+# positions spread over a window, at which a native form is checked against the patch
+PROBE_POSITIONS = 257
 
 
 @dataclass
@@ -62,6 +65,31 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         return formatted(*super().forward(x, position_ids), self.structure.cos_format)
+
+
+def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length: int) -> bool:
+    """Whether the model's own rotary class, built from a config holding `native` as transformers
+    reloads it, gives the patch's (cos, sin) bit for bit at positions spread over the trained window
+    and over the extended one (a call's longest position may choose its scaling, as PhiMoE's does). Some models read transformers' rope_parameters their own way (Phi-3's config
+    turns a yarn type into longrope; PhiMoE's rotary reads mscale keys yarn does not have): for
+    them the native form would reload another model, so the patch writes none. For a dynamic
+    method, whose rotation happens inside attention, the class must build and run from it."""
+    written = copy.deepcopy(config)
+    write_native(written, native, rotary.original, max_length)
+    device = rotary.inv_freq.device
+    x = torch.zeros(1, device=device)
+    spans = [
+        torch.linspace(0, end - 1, PROBE_POSITIONS, device=device).round().long()
+        for end in (min(max_length, rotary.geometry.original_window), max_length)
+    ]
+    try:
+        twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
+        outputs = [(twin(x, positions[None]), rotary(x, positions[None])) for positions in spans]
+    except Exception:  # a config the model's own class cannot read has no native form for it
+        return False
+    if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it
+        return True
+    return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
 class PassThrough(AttentionTransform):
@@ -180,6 +208,8 @@ class LlamaFamily(FamilyAdapter):
         (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
         so that a plain reload reproduces the patch where transformers can. Returns the native
         parameters."""
+        if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
+            raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
         if self.installed(site) is not None:
             self._detach(site)
         site.swap_rotary(rotary)
@@ -188,6 +218,8 @@ class LlamaFamily(FamilyAdapter):
         if chain:
             self._attach_attention(site, chain, rotary.method.name)
         native = self.native(rotary)
+        if native is not None and not reads_back(site.config, native, rotary, max_length):
+            native = None
         # Written either way, so that a repatch writes what a first patch does.
         write_native(site.config, native, rotary.original, max_length)
         return native

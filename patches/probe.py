@@ -27,9 +27,13 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rope_ext.attention import backend, base_name
+from rope_ext.attention.parts import attend_with_lse_by_scores
 from rope_ext.rotation import apply_rotary, cos_sin
 
 PROBE_LENGTH = 8
+# fp32 gap between a backend's attention and rope-ext's on the same inputs (summation order)
+PLAIN_TOLERANCE = 1e-5
+SCORE_REACH = 30.0  # the largest score the attention check feeds a backend
 
 # The short fixed list of reasons a model is refused for; the census test counts by them.
 REASONS = {
@@ -43,7 +47,14 @@ REASONS = {
     "rotation": "a rotation rope-ext cannot reproduce on the queries and keys attention receives",
     "mixed": "layers rotate different channels or pairings",
     "no-rope-layer": "no attention layer applies the rotation",
+    "attention": (
+        "the model's attention is not causal softmax attention of its queries, keys and values (learned sinks, a "
+        "score softcap or a mask of its own), which the methods that compute attention themselves (self_extend, "
+        "rerope, string, sink_window, dca) do not take; frequency methods, dynamic ones included, apply"
+    ),
 }
+# refused per method, at patch(): the methods that compute attention themselves
+ATTENTION_REFUSAL = REASONS["attention"]
 
 
 class Refused(ValueError):
@@ -65,6 +76,7 @@ class Structure:
     head_dim: int
     rotary_dim: int
     cos_format: str  # "cat", "repeated" or "half"
+    plain_attention: bool  # every attention call is causal softmax attention of its inputs (_plain)
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -125,7 +137,7 @@ class _Capture:
     and attends with the queries and keys `replay` gives for the call (the real run's), if any."""
 
     def __init__(self, base: str, replay: list | None = None):
-        self.base, self.replay, self.calls = base, replay, []
+        self.base, self.replay, self.calls, self.plain = base, replay, [], []
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         index = len(self.calls)
@@ -134,7 +146,32 @@ class _Capture:
             if index >= len(self.replay) or self.replay[index][0] is not module:
                 raise Refused("outside-attention", "the identity-rotation run called attention in another order")
             _, query, key = self.replay[index]
-        return backend(module, self.base)(module, query, key, value, attention_mask, **kwargs)
+        attend = backend(module, self.base)
+        if self.replay is None:
+            self.plain.append(_plain(module, attend, query, key, value, attention_mask, kwargs))
+        return attend(module, query, key, value, attention_mask, **kwargs)
+
+
+def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
+    """Whether an attention call is causal softmax attention of its queries, keys and values, the
+    attention that methods computing attention themselves (rope_ext's two-part, sink-window and
+    chunked attention) reproduce: its mask only hides later keys (Doge adds a learned bias of its
+    own), and its output, with queries scaled up so that scores reach tens, is the plain one
+    (learned sinks add to the softmax's denominator, a softcap bends large scores)."""
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        blocked = mask.dtype == torch.bool or bool((mask[~allowed] == torch.finfo(mask.dtype).min).all())
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=mask.device).tril()
+        if not blocked or not torch.equal(allowed.expand(*allowed.shape[:-2], *causal.shape), causal.expand_as(allowed)):
+            return False
+    scores = query @ key.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2)
+    loud = query * (SCORE_REACH / scores.abs().max().clamp_min(1e-6))
+    theirs, _ = attend(module, loud, key, value, attention_mask, **{**kwargs, "scaling": 1.0})
+    mine, _ = attend_with_lse_by_scores(loud, key, value, causal=True, scale=1.0)
+    mine = mine.transpose(1, 2)
+    tolerance = max(PLAIN_TOLERANCE, 4 * torch.finfo(query.dtype).eps)  # a half-precision model rounds each side
+    return mine.shape == theirs.shape and torch.allclose(mine.float(), theirs.float(), rtol=tolerance, atol=tolerance)
 
 
 def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
@@ -236,4 +273,5 @@ def probe(model: nn.Module) -> Structure:
         head_dim=head_dims.pop(),
         rotary_dim=rotary_dim,
         cos_format=found_format,
+        plain_attention=all(real.plain),
     )

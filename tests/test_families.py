@@ -67,3 +67,26 @@ def test_unprovable_models_are_refused_with_the_reason_and_unchanged(model_type,
         rope_ext.patch(model, "self_extend", factor=4)
     assert torch.equal(logits(model, x), before)
     assert model.config.to_dict() == config
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2", "doge"])  # learned sinks, a softcap, a learned mask
+def test_attention_other_than_softmax_refuses_the_methods_that_compute_attention(model_type):
+    model = tiny(model_type)
+    x = ids(WINDOW)
+    before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
+    for method in ("self_extend", "rerope", "sink_window", "dca"):
+        # sink_window and dca refuse a model with sliding-window layers (gpt_oss, gemma2) first
+        refusal = "the model's attention is not causal softmax attention|the model's layers attend through a sliding"
+        with pytest.raises(ValueError, match=f"{method}: ({refusal})"):
+            rope_ext.patch(model, method, factor=4)
+        assert torch.equal(logits(model, x), before)
+        assert model.config.to_dict() == config
+    for method in ("yarn", "dynamic"):
+        rope_ext.patch(copy.deepcopy(model), method, factor=4)
+
+
+def test_a_native_form_the_model_reads_otherwise_is_not_written():
+    model = tiny("phi3")  # Phi3Config turns a yarn rope_type into longrope
+    info = rope_ext.patch(model, "yarn", factor=4)
+    assert info.native is None
+    assert model.config.rope_parameters["rope_type"] == "default"
