@@ -26,7 +26,7 @@ from torch import nn
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from rope_ext.attention import backend, base_name
+from rope_ext.attention import backend
 from rope_ext.attention.parts import attend_with_lse_by_scores
 from rope_ext.rotation import apply_rotary, cos_sin
 
@@ -36,6 +36,12 @@ PLAIN_TOLERANCE = 1e-5
 SCORE_REACH = 30.0  # the largest score the attention check feeds a backend
 
 # The short fixed list of reasons a model is refused for; the census test counts by them.
+# The probe attends with transformers' eager attention whatever backend the model names: what it
+# proves (where the rotation is applied, what attention computes: sinks, softcaps and masks are in
+# eager's reference form too) does not depend on the kernel, and a backend this device cannot run
+# (flash or paged attention named on a CPU) must not stop the patch before the method's own checks.
+PROBE_BACKEND = "eager"
+
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
     "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
@@ -176,7 +182,7 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
 
 def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
     config = model.config
-    base = base_name(config._attn_implementation or "eager")
+    base = PROBE_BACKEND
     name = f"rope_ext_probe_{base}"
     ALL_ATTENTION_FUNCTIONS.register(name, capture)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
@@ -228,7 +234,7 @@ def probe(model: nn.Module) -> Structure:
     ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + 3) % vocab
     training = model.training
     model.eval()
-    base = base_name(config._attn_implementation or "eager")
+    base = PROBE_BACKEND
     try:
         real = _Capture(base)
         logits = _run(model, ids[None], real, None)
