@@ -280,7 +280,8 @@ class RotateInAttention(AttentionTransform):
         the keys before this forward from the store (self.rotated) where it holds them under that
         scaling, the new ones rotated here; the store then holds them all. None where the store
         does not apply (another cache layer, a forward that records gradients)."""
-        cache, index = self.rotary.pending_cache, getattr(module, "layer_idx", None)
+        # the remote-code ChatGLM rotary module tracks no pending cache: its keys are rotated in full
+        cache, index = getattr(self.rotary, "pending_cache", None), getattr(module, "layer_idx", None)
         cache_layers = getattr(cache, "layers", None)
         if torch.is_grad_enabled() or index is None or cache_layers is None or index >= len(cache_layers):
             return None
