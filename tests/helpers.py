@@ -280,3 +280,26 @@ REQUIRED = {
 def required_params(name: str, pairs: int) -> dict:
     """What `patch(model, name)` needs beside the defaults, for a model rotating `pairs` pairs."""
     return REQUIRED[name](pairs) if name in REQUIRED else {}
+
+
+def linear_glm(max_positions: int = 256):
+    """A converted ChatGLM2-6B-32K: a GLM whose checkpoint divides its positions by 4 (docs/chatglm.md)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "glm",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_positions,
+        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()

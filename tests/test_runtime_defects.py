@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext import chunked
@@ -19,7 +18,7 @@ from rope_ext.saving import save_record
 from rope_ext.training.checks import check_parallelism
 from rope_ext.training.config import ConfigError, parse_args
 
-from helpers import load_llama, required_params
+from helpers import linear_glm, load_llama, required_params
 
 
 @pytest.mark.parametrize("method, params", [(None, {}), ("dynamic", {}), ("sink_window", {"sinks": 2, "window": 60})])
@@ -141,23 +140,7 @@ def test_a_patched_model_survives_torch_save_and_load_in_a_new_process(tiny_path
 def test_a_method_on_a_linear_scaled_checkpoint_keeps_its_position_ratio_through_torch_save(tmp_path):
     """A GLM checkpoint with a linear scaling is patched on top of it (rope_ext.rotary.
     with_position_ratio); the reloaded method is rebuilt with the same ratio."""
-    config = AutoConfig.for_model(
-        "glm",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = linear_glm(max_positions=64)
     rope_ext.patch(model, "dynamic", factor=2, granularity=4)
     ids = torch.randint(0, 97, (1, 200))
     with torch.no_grad():

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_model, required_params
-from transformers import AutoConfig, AutoModelForCausalLM
+from helpers import linear_glm, random_model, required_params
 
 import rope_ext
 from rope_ext.geometry import RotaryGeometry
@@ -356,27 +355,6 @@ def test_each_engine_serves_what_the_table_says(row):
             assert cells[engine] == "unpatched", engine
         else:
             assert cells[engine] == ("yes" if serves_as_patched(served, model) else "not as patched"), engine
-
-
-def linear_glm():
-    """A converted ChatGLM2-6B-32K: a GLM whose checkpoint divides its positions by 4 (docs/chatglm.md)."""
-    config = AutoConfig.for_model(
-        "glm",
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 CHECKPOINTS = {
