@@ -262,6 +262,19 @@ def test_a_sliding_window_model_is_refused_at_patch(method, model_type, override
     )
 
 
+@pytest.mark.parametrize("method", rows(lambda row: row.unpadded))
+def test_a_sliding_window_longer_than_the_patch_is_kept_until_it_hides_a_key(method):
+    """Phi-3.5-mini ships sliding_window 262144 over a 4096-token window: no key is hidden up to
+    the patch's length, so the patch is taken (exact there, tests/test_checkpoint_shapes.py); a
+    sequence past the window is refused when its mask hides a key."""
+    model = random_model("mistral", sliding_window=4 * WINDOW)
+    rope_ext.patch(model, method, factor=4)
+    with torch.no_grad():
+        model(random_ids(4 * WINDOW))
+        with pytest.raises(ValueError, match=f"{method}: positions must be those of one unpadded sequence"):
+            model(random_ids(4 * WINDOW + 1))
+
+
 @pytest.mark.parametrize("method", rows())
 def test_a_static_cache_is_refused(method):
     model = random_model()

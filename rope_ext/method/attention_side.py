@@ -25,6 +25,7 @@ both parts in one softmax. A new method of that shape is one class with those ma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -109,12 +110,17 @@ class AttentionMethod(Method):
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         if facts.backend not in self.backends:
             raise ValueError(f"{self.name} runs on the {' or '.join(self.backends)} attention backend, not {facts.backend!r}")
-        if self.chooses_keys and (window := sliding_window(facts.config)) is not None:
+        factor, params = self.derive(facts, geometry, factor, params)
+        # A window no shorter than the patch's length hides no key inside it (Phi-3.5's 262144 over
+        # 4096 x s); past that length one_sequence refuses the mask that hides keys, at run time.
+        length = math.ceil(geometry.original_window * (factor or 1))
+        if self.chooses_keys and (window := sliding_window(facts.config)) is not None and window < length:
             raise ValueError(
                 f"{self.name}: the model's layers attend through a sliding window of {window} tokens (config sliding_window), "
-                f"which {self.name} cannot keep: it chooses the keys each query attends by their positions"
+                f"shorter than the {length} the patch is meant for, which {self.name} cannot keep: it chooses the keys "
+                "each query attends by their positions"
             )
-        return self.derive(facts, geometry, factor, params)
+        return factor, params
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params) with what the method derives from the model filled in; ValueError,
