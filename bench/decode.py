@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import rope_ext
 from rope_ext.defaults import gutenberg_text, resolve_checkpoint
+from rope_ext.evals.compare import parse_specs
 from rope_ext.evals.output import markdown_table, provenance, write_measurement
 from rope_ext.training import tiny
 
@@ -73,17 +74,18 @@ def load(name: str, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(path), str(path) if name == "tiny" else name
 
 
-def variants(model, factor: float, names: list[str]) -> tuple[dict, dict]:
-    """({name: model}: plain and each method patched on a copy, {name: why it was skipped})."""
+def variants(model, factor: float, specs: list[tuple[str, str, dict]]) -> tuple[dict, dict]:
+    """({label: model}: plain and each (label, method, params) patched on a copy, {label: why it
+    was skipped})."""
     built, skipped = {PLAIN: model}, {}
-    for name in names:
+    for label, method, params in specs:
         patched = copy.deepcopy(model)
         try:
-            rope_ext.patch(patched, name, factor=factor)
+            rope_ext.patch(patched, method, factor=factor, **params)
         except ValueError as error:
-            skipped[name] = str(error)
+            skipped[label] = str(error)
             continue
-        built[name] = patched
+        built[label] = patched
     return built, skipped
 
 
@@ -95,7 +97,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--factor", type=float, default=4.0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--methods", nargs="+", help="the methods to compare with plain (default: every method)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        help="the methods to compare with plain, each METHOD or METHOD:KEY=VALUE[,KEY=VALUE] as in rope-ext compare "
+        "(default: every method with its defaults)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -105,8 +112,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: decode is timed between the first new token and the last")
-    names = args.methods or list(rope_ext.methods())
-    unknown = sorted(set(names) - set(rope_ext.methods()))
+    try:
+        specs = parse_specs(args.methods or list(rope_ext.methods()), [])
+    except ValueError as error:
+        parser.error(str(error))
+    unknown = sorted({method for _, method, _ in specs} - set(rope_ext.methods()))
     if unknown:
         parser.error(f"unknown methods: {', '.join(unknown)} (known: {', '.join(rope_ext.methods())})")
     if args.threads:
@@ -115,7 +125,7 @@ def main() -> None:
     model, tokenizer, given = load(args.model, DTYPES[args.dtype])
     stream = tokenizer(gutenberg_text(), return_tensors="pt").input_ids
     stream = stream.repeat(1, -(-max(args.lengths) // stream.shape[1]))  # the text again if it is short
-    models, skipped = variants(model, args.factor, names)
+    models, skipped = variants(model, args.factor, specs)
     results: dict = {
         "model": args.model,
         "window": model.config.max_position_embeddings,

@@ -141,3 +141,11 @@ def test_flash_backends_see_their_own_name_under_the_wrapper():
         assert torch.equal(model(ids).logits, reference(ids).logits)
     assert model.config._attn_implementation == "rope_ext_flash_stand_in"
     assert seen and set(seen) == {"flash_stand_in"}
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+def test_patch_info_states_what_the_causal_schedule_costs(method):
+    notes = rope_ext.patch(random_model(), method, factor=4, granularity=8).notes
+    assert "granularity 8" in notes["schedule_cost"] and "R / 8 groups" in notes["schedule_cost"]
+    assert "schedule_cost" not in rope_ext.patch(random_model(), method, factor=4, causal=False).notes
+    assert "schedule_cost" not in rope_ext.patch(random_model(), "yarn", factor=4).notes

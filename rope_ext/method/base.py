@@ -189,7 +189,18 @@ class Method:
         pass
 
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
-        return {}
+        if not self.follows_length or self.window_step or not params.get("causal", True):
+            return {}
+        step = params.get("granularity", 1)
+        return {
+            "schedule_cost": (
+                f"causal schedule, granularity {step}: a forward with R query rows past the trained window attends "
+                f"them in about R / {step} groups, each against its whole key prefix rotated at its own scaling, in "
+                f"every layer, so its time grows as R x length / {step} (docs/architecture.md, the causal schedule's "
+                "cost); its memory stays O(length). A larger granularity divides the groups; decoding is one group "
+                "a step; causal=False is one group a forward (transformers' schedule)"
+            )
+        }
 
     def kv_cache(self, config, params: dict):
         return None
