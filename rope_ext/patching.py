@@ -41,7 +41,7 @@ class PatchInfo:
     rule its authors give, at max_length); {} when it states nothing. `layer_types`, of a model
     whose rotary frequencies are kept per layer type (Gemma 3, OLMo 3, ...): the types whose
     frequencies the patch replaces ("patched": the full-attention layers) and keeps ("kept");
-    None for a model with one set."""
+    None for a model with one set, which `to_dict` leaves out."""
 
     method: str
     factor: float
@@ -60,7 +60,10 @@ class PatchInfo:
     layer_types: dict | None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        info = asdict(self)
+        if info["layer_types"] is None:
+            del info["layer_types"]
+        return info
 
 
 def _site(model: nn.Module):

@@ -111,15 +111,18 @@ class Patch:
         return copy.deepcopy(self.original)
 
     def described(self) -> dict:
-        """What `rope_ext.describe` answers for a model carrying this patch."""
-        return {
+        """What `rope_ext.describe` answers for a model carrying this patch (`layer_types` where
+        the model keeps frequencies per layer type)."""
+        described = {
             "method": self.method,
             "factor": self.factor,
             "params": dict(self.params),
             "geometry": self.geometry.to_dict(),
             "max_length": self.max_length,
-            "layer_types": copy.deepcopy(self.layer_types),
         }
+        if self.layer_types is not None:
+            described["layer_types"] = copy.deepcopy(self.layer_types)
+        return described
 
 
 def config_values(config) -> dict:
