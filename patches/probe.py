@@ -14,11 +14,12 @@ its source or its model type.
   queries and keys are captured where they enter attention; a call whose identity-run queries and
   keys equal the real ones is a layer without RoPE (NoPE), any other must equal rope-ext's
   rotation of its identity-run queries and keys bit for bit, in one pairing and one span of
-  channels shared by every rotating layer. Frequencies kept per layer type get one identity run
-  per type, each answering an identity rotation for that type alone: the calls it changes are the
-  layers of that type, and only the patched type's must be rope-ext's rotation. The identity run attends with the real run's queries
+  channels shared by every rotating layer. The identity run attends with the real run's queries
   and keys, so every layer sees the inputs it had, and its logits must equal the real run's: a
-  rotation applied anywhere else than on what attention receives is caught there.
+  rotation applied anywhere else than on what attention receives is caught there. Frequencies
+  kept per layer type get one identity run per type, each answering an identity rotation for that
+  type alone: the calls it changes are the layers of that type, and only the patched type's must
+  be rope-ext's rotation.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ REASONS = {
     "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
     "per-layer-config": "the config keeps attributes per layer (a heterogeneous config), which the patch does not write",
     "several-rotary": "several rotary embedding modules",
-    "per-layer-type": f"rotary frequencies kept per layer type, none of them for {PATCHED_TYPE} layers",
+    "per-layer-type": f"rotary frequencies kept per layer type, without a set for {PATCHED_TYPE} layers alone",
     "format": "a cos/sin format rope-ext does not produce",
     "frequencies": "the model's rotary module does not hold the frequencies its config describes",
     "forward": "the probe forward failed",

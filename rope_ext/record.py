@@ -80,8 +80,8 @@ class Patch:
     family's reading of them on a model; None for a patch read from a record, until a model is
     patched with it. `layer_types`, of a model whose rotary frequencies are kept per layer type:
     the types the patch replaces ("patched") and keeps ("kept"); None for one set of frequencies
-    or a patch read from a record, which re-derives them on the model. `source` names the file a record was read from, for its errors; it is no
-    part of the patch, so equality leaves it out."""
+    or a patch read from a record, which re-derives them on the model. `source` names the file a
+    record was read from, for its errors; it is no part of the patch, so equality leaves it out."""
 
     method: str
     factor: float
