@@ -63,6 +63,11 @@ class FamilyAdapter(ABC):
     def build(self, site, method: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict) -> nn.Module:
         """The rotary module for this patch, not yet installed (may raise, changing nothing)."""
 
+    def layer_types(self, site) -> dict | None:
+        """Of a model whose rotary frequencies are kept per layer type, the types the patch
+        replaces and keeps ({"patched": [...], "kept": [...]}); None for one set of frequencies."""
+        return None
+
     @abstractmethod
     def install(self, site, rotary: nn.Module, transforms: list, max_length: int) -> dict | None:
         """Swap `rotary` in, run `transforms` inside attention, write the config; return the

@@ -26,7 +26,7 @@ from rope_ext.record import Patch, config_values, restore, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
-from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe
+from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe, rotary_call, typed
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
@@ -43,7 +43,7 @@ class RotarySite:
     rotary: nn.Module
     attention: list[nn.Module]  # the attention modules that apply the rotation
     structure: Structure
-    nope: list[nn.Module]  # attention modules without RoPE, which the patch leaves alone
+    nope: list[nn.Module]  # attention modules the patch leaves alone: without RoPE, or of a layer type it keeps
 
     def swap_rotary(self, rotary: nn.Module) -> None:
         owner, _, name = self.structure.rotary.rpartition(".")
@@ -54,16 +54,32 @@ class RotarySite:
     def config(self):
         return self.model.config
 
+    @property
+    def layer_type(self) -> str | None:
+        """The layer type whose frequencies the patch replaces, of a rotary module kept per layer type."""
+        return self.structure.layer_type
+
+    def rope_entry(self, rope: dict) -> dict:
+        """The rope_parameters of the patched layers: `rope`, or its entry for the patched type."""
+        return rope if self.layer_type is None else rope[self.layer_type]
+
 
 class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
     """The rope-ext rotary module in the cos/sin format the model's attention expects, with the
-    structure the probe proved (a patched model is not probed again: its rotary module is ours)."""
+    structure the probe proved (a patched model is not probed again: its rotary module is ours).
+    In place of a module kept per layer type, it answers the patched type and lets the model's own
+    module (`kept`) answer the others."""
 
-    def __init__(self, *args, structure: Structure):
+    def __init__(self, *args, structure: Structure, kept: nn.Module | None = None):
         super().__init__(*args)
         self.structure = structure
+        self.kept = kept
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        if self.structure.layer_type is not None:
+            layer_type = args[0] if args else kwargs["layer_type"]
+            if layer_type != self.structure.layer_type:
+                return self.kept(x, position_ids, layer_type)
         return formatted(*super().forward(x, position_ids), self.structure.cos_format)
 
 
@@ -74,8 +90,9 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     turns a yarn type into longrope; PhiMoE's rotary reads mscale keys yarn does not have): for
     them the native form would reload another model, so the patch writes none. For a dynamic
     method, whose rotation happens inside attention, the class must build and run from it."""
+    layer_type = rotary.structure.layer_type
     written = copy.deepcopy(config)
-    write_native(written, native, rotary.original, max_length)
+    write_native(written, native, rotary.original, max_length, layer_type)
     device = rotary.inv_freq.device
     x = torch.zeros(1, device=device)
     spans = [
@@ -84,7 +101,7 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     ]
     try:
         twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
-        outputs = [(twin(x, positions[None]), rotary(x, positions[None])) for positions in spans]
+        outputs = [tuple(rotary_call(module, x, positions[None], layer_type) for module in (twin, rotary)) for positions in spans]
     except Exception:  # a config the model's own class cannot read has no native form for it
         return False
     if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it
@@ -139,7 +156,7 @@ class LlamaFamily(FamilyAdapter):
             return record, False
         config = site.config
         record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else config_values(config)
-        rope = record["rope_parameters"]
+        rope = site.rope_entry(record["rope_parameters"])
         rope_type = rope.get("rope_type", "default")
         if original_window is not None:
             record["original_window"] = original_window
@@ -162,9 +179,9 @@ class LlamaFamily(FamilyAdapter):
     def geometry(self, site: RotarySite, record: dict, verify: bool) -> RotaryGeometry:
         """Geometry before any scaling, from `record`; with `verify`, checked against the live
         rotary module (which was then built from the same values)."""
-        rope = record["rope_parameters"]
+        rope = site.rope_entry(record["rope_parameters"])
         geometry = RotaryGeometry(
-            rotary_dim=2 * site.rotary.inv_freq.numel(),
+            rotary_dim=site.structure.rotary_dim,
             base=float(rope["rope_theta"]),
             original_window=int(record["original_window"]),
             layout=site.structure.layout,
@@ -173,11 +190,13 @@ class LlamaFamily(FamilyAdapter):
         if verify and rope.get("rope_type", "default") == "default":
             # Compared in the dtype the buffer has: a cast of the model (`model.half()`) is no
             # modification, and the patch computes its own fp32 frequencies anyway.
-            live = site.rotary.original_inv_freq.cpu()
+            live = getattr(site.rotary, typed("original_inv_freq", site.layer_type)).cpu()
             if not torch.equal(live, default_inv_freq(geometry).to(live.dtype)):
-                raise ValueError(
-                    "the model's rotary module does not hold the frequencies its config describes "
-                    f"(rope_theta={geometry.base}, rotary dim {geometry.rotary_dim}); refusing to patch a modified model"
+                # a modified model, or a partial rotation transformers rounds to an odd number of
+                # channels (its exponents then run over that odd size, which no geometry states)
+                raise Refused(
+                    "frequencies",
+                    f"rope_theta={geometry.base}, rotary dim {geometry.rotary_dim}; refusing to patch a modified model",
                 )
         return geometry
 
@@ -195,13 +214,29 @@ class LlamaFamily(FamilyAdapter):
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         current = self.installed(site)
         original_cls = current.original_cls if current is not None else type(site.rotary)
+        if current is not None:
+            kept, device = current.kept, current.inv_freq.device
+        else:
+            kept = site.rotary if site.layer_type is not None else None
+            device = getattr(site.rotary, typed("inv_freq", site.layer_type)).device
         return ProbedRotaryEmbedding(
-            spec, factor, params, geometry, original_cls, record, site.rotary.inv_freq.device, structure=site.structure
+            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, kept=kept
         )
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
-        """transformers `rope_parameters` that reproduce the patch on a plain reload, or None."""
-        return rotary.method.native(rotary.geometry, rotary.factor, rotary.params, rotary.original["rope_parameters"])
+        """transformers `rope_parameters` that reproduce the patch on a plain reload (of the patched
+        layer type's entry, where they are nested by layer type), or None."""
+        rope = rotary.original["rope_parameters"]
+        layer_type = rotary.structure.layer_type
+        return rotary.method.native(
+            rotary.geometry, rotary.factor, rotary.params, rope if layer_type is None else rope[layer_type]
+        )
+
+    def layer_types(self, site: RotarySite) -> dict | None:
+        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per layer type."""
+        if site.layer_type is None:
+            return None
+        return {"patched": [site.layer_type], "kept": list(site.structure.kept_types)}
 
     def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
@@ -221,7 +256,7 @@ class LlamaFamily(FamilyAdapter):
         if native is not None and not reads_back(site.config, native, rotary, max_length):
             native = None
         # Written either way, so that a repatch writes what a first patch does.
-        write_native(site.config, native, rotary.original, max_length)
+        write_native(site.config, native, rotary.original, max_length, site.layer_type)
         return native
 
     def uninstall(self, site: RotarySite) -> None:

@@ -3,8 +3,10 @@ its source or its model type.
 
 `probe(model)` proves, or refuses with the reason, each fact an adapter needs:
 
-- the rotary module: the one module holding an `inv_freq` buffer (none, several, or frequencies
-  kept per layer type are refused);
+- the rotary module: the one module holding an `inv_freq` buffer, or `{layer_type}_inv_freq`
+  buffers, one set per layer type (none or several modules are refused); of a module kept per
+  layer type, the patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`),
+  whose window a patch extends, and keeps the others;
 - the cos/sin format its attention expects: its output at probe positions compared with
   rope-ext's (cat(freqs, freqs), repeated pairs, half width);
 - which attention modules rotate, which channels, with which pairing: two short forwards, one as
@@ -14,11 +16,15 @@ its source or its model type.
   rotation of its identity-run queries and keys bit for bit, in one pairing and one span of
   channels shared by every rotating layer. The identity run attends with the real run's queries
   and keys, so every layer sees the inputs it had, and its logits must equal the real run's: a
-  rotation applied anywhere else than on what attention receives is caught there.
+  rotation applied anywhere else than on what attention receives is caught there. Frequencies
+  kept per layer type get one identity run per type, each answering an identity rotation for that
+  type alone: the calls it changes are the layers of that type, and only the patched type's must
+  be rope-ext's rotation.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,10 @@ PROBE_LENGTH = 8
 # fp32 gap between a backend's attention and rope-ext's on the same inputs (summation order)
 PLAIN_TOLERANCE = 1e-5
 SCORE_REACH = 30.0  # the largest score the attention check feeds a backend
+# Of frequencies kept per layer type, the type a patch replaces: the layers that attend over the
+# whole context, whose window it extends (as transformers applies a legacy `rope_scaling` to
+# Gemma 3's); sliding-window layers never attend past their window and keep their frequencies.
+PATCHED_TYPE = "full_attention"
 
 # The short fixed list of reasons a model is refused for; the census test counts by them.
 # The probe attends with transformers' eager attention whatever backend the model names: what it
@@ -45,9 +55,11 @@ PROBE_BACKEND = "eager"
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
     "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
+    "per-layer-config": "the config keeps attributes per layer (a heterogeneous config), which the patch does not write",
     "several-rotary": "several rotary embedding modules",
-    "per-layer-type": "rotary frequencies kept per layer type",
+    "per-layer-type": f"rotary frequencies kept per layer type, without a set for {PATCHED_TYPE} layers alone",
     "format": "a cos/sin format rope-ext does not produce",
+    "frequencies": "the model's rotary module does not hold the frequencies its config describes",
     "forward": "the probe forward failed",
     "outside-attention": "the rotation reaches the model outside transformers' AttentionInterface",
     "rotation": "a rotation rope-ext cannot reproduce on the queries and keys attention receives",
@@ -77,12 +89,16 @@ class Structure:
 
     rotary: str  # the rotary module's name in the model
     attention: tuple[str, ...]  # attention modules, in call order
-    rope: tuple[bool, ...]  # whether each applies the rotation
+    rope: tuple[bool, ...]  # whether each applies the rotation the patch replaces (of `layer_type`)
     layout: str  # "half" or "interleaved"
     head_dim: int
     rotary_dim: int
     cos_format: str  # "cat", "repeated" or "half"
     plain_attention: bool  # every attention call is causal softmax attention of its inputs (_plain)
+    # Of a rotary module kept per layer type: the patched type, and each attention call's type
+    # (None: no rotation); the calls of other types are left alone, as NoPE ones are.
+    layer_type: str | None = None
+    layer_types: tuple[str | None, ...] = ()
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -90,7 +106,24 @@ class Structure:
 
     @property
     def nope_attention(self) -> tuple[str, ...]:
+        """The attention modules the patch leaves alone: without RoPE, or of a layer type it keeps."""
         return tuple(name for name, rotates in zip(self.attention, self.rope) if not rotates)
+
+    @property
+    def kept_types(self) -> tuple[str, ...]:
+        """The layer types whose layers rotate with frequencies the patch keeps."""
+        return tuple(sorted({t for t in self.layer_types if t is not None and t != self.layer_type}))
+
+
+def typed(name: str, layer_type: str | None) -> str:
+    """The attribute of a rotary module (`inv_freq`, `original_inv_freq`, `attention_scaling`) that
+    holds `name` for `layer_type` (transformers' `{layer_type}_{name}`), or `name` itself."""
+    return name if layer_type is None else f"{layer_type}_{name}"
+
+
+def rotary_call(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor, layer_type: str | None):
+    """(cos, sin) of `rotary` at `positions`, for `layer_type` where it keeps frequencies per type."""
+    return rotary(x, positions) if layer_type is None else rotary(x, positions, layer_type)
 
 
 def formatted(cos: torch.Tensor, sin: torch.Tensor, cos_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,32 +136,37 @@ def formatted(cos: torch.Tensor, sin: torch.Tensor, cos_format: str) -> tuple[to
     return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
 
 
-def find_rotary(model: nn.Module) -> tuple[str, nn.Module]:
+def find_rotary(model: nn.Module) -> tuple[str, nn.Module, tuple[str, ...]]:
+    """The rotary module's name, the module and the layer types it keeps frequencies for (none
+    for a module with one set)."""
     found = {}
     for name, module in model.named_modules():
         buffers = [b for b, _ in module.named_buffers(recurse=False) if b.endswith("inv_freq")]
-        if any(b not in ("inv_freq", "original_inv_freq") for b in buffers):
-            raise Refused("per-layer-type", f"`{name}` holds {', '.join(buffers)}")
         if buffers:
-            found.setdefault(id(module), (name, module))
+            found.setdefault(id(module), (name, module, buffers))
     if not found:
         raise Refused("no-rotary", type(model).__name__)
     if len(found) > 1:
-        raise Refused("several-rotary", ", ".join(f"`{name}`" for name, _ in found.values()))
-    return next(iter(found.values()))
+        raise Refused("several-rotary", ", ".join(f"`{name}`" for name, _, _ in found.values()))
+    name, module, buffers = next(iter(found.values()))
+    per_type = [b for b in buffers if b not in ("inv_freq", "original_inv_freq")]
+    types = tuple(sorted({b.removesuffix("_inv_freq").removesuffix("_original") for b in per_type}))
+    if per_type and (len(per_type) < len(buffers) or PATCHED_TYPE not in types):
+        raise Refused("per-layer-type", f"`{name}` holds {', '.join(buffers)}")
+    return name, module, types
 
 
-def cos_format(rotary: nn.Module, positions: torch.Tensor) -> str:
-    inv_freq = rotary.inv_freq
+def cos_format(rotary: nn.Module, positions: torch.Tensor, layer_type: str | None = None) -> str:
+    inv_freq = getattr(rotary, typed("inv_freq", layer_type))
     x = torch.zeros(1, device=inv_freq.device, dtype=torch.float32)
     try:
-        out = rotary(x, positions)
+        out = rotary_call(rotary, x, positions, layer_type)
     except Exception as err:  # any signature or shape rope-ext does not call the module with
         raise Refused("format", f"{type(rotary).__name__}(x, position_ids) raised {type(err).__name__}: {err}") from None
     if not (isinstance(out, tuple) and len(out) == 2 and all(torch.is_tensor(t) and not t.is_complex() for t in out)):
         kind = type(out).__name__ if not torch.is_tensor(out) else f"a {out.dtype} tensor"
         raise Refused("format", f"{type(rotary).__name__} returns {kind}, not a real (cos, sin) pair")
-    cos, sin = cos_sin(inv_freq, float(getattr(rotary, "attention_scaling", 1.0)), positions, out[0].dtype)
+    cos, sin = cos_sin(inv_freq, attention_scaling(rotary, layer_type), positions, out[0].dtype)
     for name in ("cat", "repeated", "half"):
         mine = formatted(cos, sin, name)
         if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, mine)):
@@ -136,6 +174,10 @@ def cos_format(rotary: nn.Module, positions: torch.Tensor) -> str:
     raise Refused(
         "format", f"{type(rotary).__name__}'s (cos, sin) of shape {tuple(out[0].shape)} match no layout rope-ext computes"
     )
+
+
+def attention_scaling(rotary: nn.Module, layer_type: str | None = None) -> float:
+    return float(getattr(rotary, typed("attention_scaling", layer_type), 1.0))
 
 
 class _Capture:
@@ -184,7 +226,9 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
     return mine.shape == theirs.shape and torch.allclose(mine, theirs, rtol=PLAIN_TOLERANCE, atol=PLAIN_TOLERANCE)
 
 
-def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
+def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_type: str | None = None):
+    """The logits of a forward through `capture`; with `identity_of`, that rotary module answers an
+    identity rotation (for `layer_type` alone, where it keeps frequencies per layer type)."""
     config = model.config
     base = PROBE_BACKEND
     name = f"rope_ext_probe_{base}"
@@ -192,9 +236,12 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
     if identity_of is not None:
         real = type(identity_of).forward
+        signature = inspect.signature(real)
 
         def identity(*args, **kwargs):
             cos, sin = real(identity_of, *args, **kwargs)
+            if layer_type is not None and signature.bind(identity_of, *args, **kwargs).arguments.get("layer_type") != layer_type:
+                return cos, sin
             return torch.ones_like(cos), torch.zeros_like(sin)
 
         identity_of.forward = identity
@@ -226,13 +273,17 @@ def _rotation(real, identity, cos, sin, rotary_dim):
 
 def probe(model: nn.Module) -> Structure:
     """The structure of `model` (a transformers PreTrainedModel, unwrapped), or Refused."""
-    rotary_name, rotary = find_rotary(model)
-    rope = getattr(model.config, "rope_parameters", None)
-    if not isinstance(rope, dict) or "rope_theta" not in rope:
-        raise Refused("config", f"{type(model.config).__name__}.rope_parameters is {rope!r}")
-    device = rotary.inv_freq.device
+    rotary_name, rotary, types = find_rotary(model)
+    parameters = getattr(model.config, "rope_parameters", None)
+    entries = [parameters.get(t) if isinstance(parameters, dict) else None for t in types] if types else [parameters]
+    if not all(isinstance(entry, dict) and "rope_theta" in entry for entry in entries):
+        raise Refused("config", f"{type(model.config).__name__}.rope_parameters is {parameters!r}")
+    if getattr(model.config, "is_heterogeneous", False):
+        raise Refused("per-layer-config", f"per-layer {', '.join(sorted(model.config.per_layer_attributes))}")
+    patched = PATCHED_TYPE if types else None
+    device = getattr(rotary, typed("inv_freq", patched)).device
     positions = torch.arange(PROBE_LENGTH, device=device)[None]
-    found_format = cos_format(rotary, positions)
+    found_format = cos_format(rotary, positions, patched)
     config = model.config
     vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
     ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + 3) % vocab
@@ -245,34 +296,46 @@ def probe(model: nn.Module) -> Structure:
         if not real.calls:
             raise Refused("outside-attention", "no attention call went through transformers' AttentionInterface")
         ident = _Capture(base, real.calls)
-        if not torch.equal(_run(model, ids[None], ident, rotary), logits):
+        if not torch.equal(_run(model, ids[None], ident, rotary, patched), logits):
             raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        kept = {}  # the layer types the patch keeps: which calls each rotates
+        for layer_type in types:
+            if layer_type != patched:
+                kept[layer_type] = _Capture(base, real.calls)
+                _run(model, ids[None], kept[layer_type], rotary, layer_type)
     finally:
         model.train(training)
     names = {id(module): name for name, module in model.named_modules()}
     modules = [module for module, _, _ in real.calls]
     if len({id(m) for m in modules}) != len(modules):
         raise Refused("outside-attention", "an attention module is called more than once in a forward")
-    rotary_dim = 2 * rotary.inv_freq.numel()
-    scale = float(getattr(rotary, "attention_scaling", 1.0))
-    rope, layouts, head_dims = [], set(), set()
-    for (module, q, k), (_, q_id, k_id) in zip(real.calls, ident.calls):
-        cos, sin = cos_sin(rotary.inv_freq, scale, positions, q.dtype)
+    inv_freq = getattr(rotary, typed("inv_freq", patched))
+    rotary_dim = 2 * inv_freq.numel()
+    scale = attention_scaling(rotary, patched)
+    rope, layouts, head_dims, layer_types = [], set(), set(), []
+    for index, ((module, q, k), (_, q_id, k_id)) in enumerate(zip(real.calls, ident.calls)):
+        cos, sin = cos_sin(inv_freq, scale, positions, q.dtype)
         found = {_rotation(q, q_id, cos, sin, rotary_dim), _rotation(k, k_id, cos, sin, rotary_dim)}
+        rotated_by = [t for t, run in kept.items() if not _unchanged(run.calls[index], q, k)]
         if found == {None}:
             rope.append(False)
+            if len(rotated_by) > 1:
+                raise Refused("rotation", f"`{names[id(module)]}` rotates with the frequencies of {rotated_by}")
+            layer_types.append(rotated_by[0] if rotated_by else None)
             continue
-        if len(found) != 1 or False in found or None in found:
+        if len(found) != 1 or False in found or None in found or rotated_by:
             raise Refused(
                 "rotation",
                 f"`{names[id(module)]}` (a norm or another step between the rotation and attention, or a pairing other "
                 "than halves or interleaved pairs of the leading channels)",
             )
         rope.append(True)
+        layer_types.append(patched)
         layouts |= found
         head_dims.add(q.shape[-1])
     if not any(rope):
-        raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated")
+        rotated = f" with the {patched} frequencies" if patched else ""
+        raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated{rotated}")
     if len(layouts) > 1 or len(head_dims) > 1:
         raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
     return Structure(
@@ -284,4 +347,12 @@ def probe(model: nn.Module) -> Structure:
         rotary_dim=rotary_dim,
         cos_format=found_format,
         plain_attention=all(real.plain),
+        layer_type=patched,
+        layer_types=tuple(layer_types) if types else (),
     )
+
+
+def _unchanged(call, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether an identity-run attention call received the real run's queries and keys."""
+    _, q_id, k_id = call
+    return torch.equal(q_id, query) and torch.equal(k_id, key)

@@ -38,7 +38,10 @@ class PatchInfo:
     for (original_window * factor); `native` is the transformers `rope_parameters` written to the
     config (None when transformers has no equivalent and only rope_ext can reload it); `notes` is
     what the method states about the parameters it resolved, as data (e.g. whether they follow a
-    rule its authors give, at max_length); {} when it states nothing."""
+    rule its authors give, at max_length); {} when it states nothing. `layer_types`, of a model
+    whose rotary frequencies are kept per layer type (Gemma 3, OLMo 3, ...): the types whose
+    frequencies the patch replaces ("patched": the full-attention layers) and keeps ("kept");
+    None for a model with one set, which `to_dict` leaves out."""
 
     method: str
     factor: float
@@ -54,9 +57,13 @@ class PatchInfo:
     attention_factor: float | None
     native: dict | None
     notes: dict
+    layer_types: dict | None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        info = asdict(self)
+        if info["layer_types"] is None:
+            del info["layer_types"]
+        return info
 
 
 def _site(model: nn.Module):
@@ -95,7 +102,7 @@ def patch(
             f"(transformers-native families); the {adapter.name!r} family does not"
         )
     factor, params = spec.resolve(facts, geometry, factor, params)
-    applied = Patch(method, factor, params, original, geometry)
+    applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
     rotary = adapter.build(site, spec, factor, params, geometry, original)
     transforms = spec.attention(rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
@@ -120,6 +127,7 @@ def patch(
         attention_factor=None if spec.dynamic else rotary.attention_scaling,
         native=native,
         notes=notes,
+        layer_types=applied.layer_types,
     )
 
 
@@ -206,10 +214,11 @@ def installed_rotary(model: nn.Module):
 
 def installed_patch(model: nn.Module) -> Patch | None:
     """The patch on this model, or None."""
-    rotary = installed_rotary(model)
+    adapter, site = _site(model)
+    rotary = adapter.installed(site)
     if rotary is None:
         return None
-    return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry)
+    return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry, adapter.layer_types(site))
 
 
 def describe(model: nn.Module) -> dict | None:

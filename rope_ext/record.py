@@ -78,14 +78,17 @@ class Patch:
     what unpatch restores and the geometry is read from (`original_window` among them), or the
     window alone for a patch read from a fine-tune record, which keeps no more. `geometry` is the
     family's reading of them on a model; None for a patch read from a record, until a model is
-    patched with it. `source` names the file a record was read from, for its errors; it is no
-    part of the patch, so equality leaves it out."""
+    patched with it. `layer_types`, of a model whose rotary frequencies are kept per layer type:
+    the types the patch replaces ("patched") and keeps ("kept"); None for one set of frequencies
+    or a patch read from a record, which re-derives them on the model. `source` names the file a
+    record was read from, for its errors; it is no part of the patch, so equality leaves it out."""
 
     method: str
     factor: float
     params: dict
     original: dict
     geometry: RotaryGeometry | None = None
+    layer_types: dict | None = None
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -108,14 +111,18 @@ class Patch:
         return copy.deepcopy(self.original)
 
     def described(self) -> dict:
-        """What `rope_ext.describe` answers for a model carrying this patch."""
-        return {
+        """What `rope_ext.describe` answers for a model carrying this patch (`layer_types` where
+        the model keeps frequencies per layer type)."""
+        described = {
             "method": self.method,
             "factor": self.factor,
             "params": dict(self.params),
             "geometry": self.geometry.to_dict(),
             "max_length": self.max_length,
         }
+        if self.layer_types is not None:
+            described["layer_types"] = copy.deepcopy(self.layer_types)
+        return described
 
 
 def config_values(config) -> dict:
