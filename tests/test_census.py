@@ -25,38 +25,15 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 import rope_ext
 from rope_ext.patches.probe import REASONS
 
-WINDOW = 64
-VOCAB = 128
-# The tiny shape every config is built with; keys a config does not know become unused attributes.
-SHRINK = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=VOCAB,
-    max_position_embeddings=WINDOW,
-    moe_intermediate_size=32,
-    num_experts=4,
-    num_local_experts=4,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    shared_expert_intermediate_size=32,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    tie_word_embeddings=False,
-)
-MAX_PARAMETERS = 3_000_000  # a config that ignores the shrink (composite models) is not built
+from census_configs import NOT_BUILT, WINDOW, ids, tiny
+
 ATTENTION_SIDE = ("self_extend", "sink_window", "dca")
 MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
@@ -64,38 +41,9 @@ DECODE_TOLERANCE = 1e-4
 METHOD_REASONS = {"sliding-window": "attend through a sliding window"}
 
 
-def ids(length: int, seed: int = 0) -> torch.LongTensor:
-    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
 @torch.no_grad()
 def logits(model, x):
     return model(x).logits
-
-
-def tiny(model_type: str, **overrides):
-    """The tiny random fp32 model of `model_type` with its norm weights moved away from 1, or None
-    when it does not build or has no rotary embedding."""
-    try:
-        config = CONFIG_MAPPING[model_type](**{**SHRINK, **overrides})
-        with torch.device("meta"):
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-        if size > MAX_PARAMETERS:
-            return None
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():
-            model(ids(8))
-    except Exception:  # configs that do not shrink this way, or need inputs a causal LM call lacks
-        return None
-    if not any(name.endswith("inv_freq") for name, _ in model.named_buffers()):
-        return None
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name and weight.dim() == 1:
-                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
-    return model
 
 
 def routes(model) -> bool:
