@@ -76,16 +76,17 @@ LINEAR = dict(
     linear_num_value_heads=4,
 )
 # Qwen4-Exp's softmax layers are indexed attention, which needs every field of its token indexer;
-# its budget is the window, so each query keeps all earlier keys. Its hyper-connections' low rank
-# (320 by default) is most of the model otherwise.
+# its budget of keys is under the probe's 8 tokens, as the released one (2048) is under its window,
+# so the keys the indexer selects count. Its hyper-connections' low rank (320 by default) is most
+# of the model otherwise.
 QWEN4_EXP = dict(
     LINEAR,
     hc_lowrank=32,
     indexer_n_heads=2,
     indexer_kv_heads=1,
     indexer_head_dim=16,
-    indexer_budget=WINDOW,
-    indexer_compress_ratio=4,
+    indexer_budget=4,
+    indexer_compress_ratio=2,
 )
 # Gemma 4's per-layer input embeddings are vocab x layers x 256 (134M parameters by default).
 GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)

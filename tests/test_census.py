@@ -25,7 +25,6 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
@@ -53,9 +52,12 @@ def routes(model) -> bool:
 @torch.no_grad()
 def decode_gap(model, x, prefill):
     """The largest gap between token-by-token decoding, in the model's own KV cache, and one full
-    forward (causal: row t of the full forward is the forward of the first t + 1 tokens)."""
+    forward (causal: row t of the full forward is the forward of the first t + 1 tokens); None for a
+    model whose forward returns no cache to decode in (RecurrentGemma keeps its state inside)."""
     full = model(x).logits[0]
-    cache = model(x[:, :prefill], use_cache=True).cache
+    cache = getattr(model(x[:, :prefill], use_cache=True), "cache", None)
+    if cache is None:
+        return None
     worst = 0.0
     for t in range(prefill, x.shape[1]):
         out = model(x[:, t : t + 1], cache=cache, use_cache=True)
@@ -65,8 +67,9 @@ def decode_gap(model, x, prefill):
 
 
 def twin_of(model, config):
-    """A model transformers alone builds from `config`, with `model`'s weights."""
-    twin = AutoModelForCausalLM.from_config(config).eval()
+    """A model transformers alone builds from `config`, with `model`'s weights (the class of `model`:
+    the causal LM of a composite config, emu3 or mllama, runs on a text config no auto class maps)."""
+    twin = type(model)(config).eval()
     twin.load_state_dict(model.state_dict())
     return twin
 
@@ -106,7 +109,12 @@ def check(model, tmp_path, refusals: dict) -> str | None:
         twin = twin_of(plain, config)
         if not torch.equal(logits(patched, past), logits(twin, past)):
             return f"yarn differs from the native twin by {(logits(patched, past) - logits(twin, past)).abs().max():.2e}"
-    if decode_gap(patched, past[:, : WINDOW + 8], WINDOW - 4) > DECODE_TOLERANCE:
+    decode = past[:, : WINDOW + 8], WINDOW - 4
+    # A model whose own decoding already differs from its full forward (bamba's state-space layers,
+    # in transformers' PyTorch fallback: 1.4e-3) is held to twice its own gap.
+    own = decode_gap(plain, *decode)
+    decode_tolerance = max(DECODE_TOLERANCE, 2 * own) if own is not None else None
+    if decode_tolerance is not None and decode_gap(patched, *decode) > decode_tolerance:
         return "yarn: decode differs from the full forward"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -130,7 +138,7 @@ def check(model, tmp_path, refusals: dict) -> str | None:
         gap = (logits(patched, inside) - trained).abs().max().item()
         if gap > tolerance:
             return f"{method} changes the first window's logits by {gap:.2e}"
-        if decode_gap(patched, past[:, : WINDOW + 8], WINDOW - 4) > DECODE_TOLERANCE:
+        if decode_tolerance is not None and decode_gap(patched, *decode) > decode_tolerance:
             return f"{method}: decode differs from the full forward"
         rope_ext.unpatch(patched)
         if not torch.equal(logits(patched, inside), reference):
