@@ -25,7 +25,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 import rope_ext
@@ -33,6 +33,9 @@ from rope_ext.patches.probe import REASONS
 
 from census_configs import NOT_BUILT, WINDOW, ids, tiny
 
+# measured with transformers 5.24 (docs/families.md): rotary architectures built, and patched exactly
+BUILT = 135
+PATCHED = 75
 ATTENTION_SIDE = ("self_extend", "sink_window", "dca")
 MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
@@ -60,7 +63,8 @@ def decode_gap(model, x, prefill):
         return None
     worst = 0.0
     for t in range(prefill, x.shape[1]):
-        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
+        # the position of the step, as generate() passes it: bamba counts from 0 in each call otherwise
+        out = model(x[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache, use_cache=True)
         cache = out.cache
         worst = max(worst, (out.logits[0, -1] - full[t]).abs().max().item())
     return worst
@@ -110,17 +114,17 @@ def check(model, tmp_path, refusals: dict) -> str | None:
         if not torch.equal(logits(patched, past), logits(twin, past)):
             return f"yarn differs from the native twin by {(logits(patched, past) - logits(twin, past)).abs().max():.2e}"
     decode = past[:, : WINDOW + 8], WINDOW - 4
-    # A model whose own decoding already differs from its full forward (bamba's state-space layers,
-    # in transformers' PyTorch fallback: 1.4e-3) is held to twice its own gap.
-    own = decode_gap(plain, *decode)
-    decode_tolerance = max(DECODE_TOLERANCE, 2 * own) if own is not None else None
-    if decode_tolerance is not None and decode_gap(patched, *decode) > decode_tolerance:
+    if (decode_gap(patched, *decode) or 0.0) > DECODE_TOLERANCE:
         return "yarn: decode differs from the full forward"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        patched.save_pretrained(tmp_path / "yarn")
-    if not torch.equal(logits(rope_ext.from_pretrained(tmp_path / "yarn").eval(), past), logits(patched, past)):
-        return "yarn: the reloaded checkpoint differs"
+    # rope_ext.from_pretrained loads through AutoModelForCausalLM, as transformers does: the text
+    # configs of emu3 and mllama, which their causal LMs run on, are not in its mapping, and neither
+    # transformers nor rope-ext reloads such a checkpoint
+    if type(patched.config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            patched.save_pretrained(tmp_path / "yarn")
+        if not torch.equal(logits(rope_ext.from_pretrained(tmp_path / "yarn").eval(), past), logits(patched, past)):
+            return "yarn: the reloaded checkpoint differs"
     rope_ext.unpatch(patched)
     if not torch.equal(logits(patched, inside), reference):
         return "yarn: unpatch is not exact"
@@ -138,7 +142,7 @@ def check(model, tmp_path, refusals: dict) -> str | None:
         gap = (logits(patched, inside) - trained).abs().max().item()
         if gap > tolerance:
             return f"{method} changes the first window's logits by {gap:.2e}"
-        if decode_tolerance is not None and decode_gap(patched, *decode) > decode_tolerance:
+        if (decode_gap(patched, *decode) or 0.0) > DECODE_TOLERANCE:
             return f"{method}: decode differs from the full forward"
         rope_ext.unpatch(patched)
         if not torch.equal(logits(patched, inside), reference):
@@ -204,7 +208,14 @@ def test_every_rotary_causal_lm_is_patched_exactly_or_refused_with_a_listed_reas
         if reason not in {**REASONS, **METHOD_REASONS}
     ]
     assert not unlisted, unlisted
-    assert counts["patched"] >= 67
+    assert counts["patched"] >= PATCHED
+
+
+def test_the_census_builds_the_rotary_architectures(results):
+    """A transformers change that stops a tiny config from building drops the type from the census
+    silently: the count shows it. NOT_BUILT (census_configs) lists the rotary types not built."""
+    assert len(results) >= BUILT
+    assert not set(NOT_BUILT) & set(results)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma", "olmo2", "starcoder2"])
