@@ -88,8 +88,8 @@ QWEN4_EXP = dict(
     indexer_budget=4,
     indexer_compress_ratio=2,
 )
-# Gemma 4's per-layer input embeddings are vocab x layers x 256 (134M parameters by default).
-GEMMA4_TEXT = dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)
+# Gemma 4's per-layer input embeddings have a vocabulary of their own (134M parameters by default).
+GEMMA4_TEXT = {"vocab_size_per_layer_input": VOCAB}
 # dots3 note preview: MLA with a rotated share qk_rope_head_dim / head_dim of a 32-wide head, and no
 # sliding-window layers (their own MLA sizes sit in a per-layer config of the released shapes).
 DOTS3_TEXT = dict(MLA, head_dim=32, use_sliding_window=False)
@@ -118,11 +118,8 @@ OVERRIDES: dict[str, dict] = {
     # DbrxAttentionConfig does not define, and clamps with clip_qkv, which may not be None.
     "dbrx": {
         "d_model": 64,
-        "n_heads": 4,
-        "n_layers": 2,
-        "max_seq_len": WINDOW,
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_top_k": 2},
     },
     "dots3_note_text": DOTS3_TEXT,
     # the vision and audio adapters must meet the text hidden size; the vision tower's MoE schedule
@@ -136,30 +133,26 @@ OVERRIDES: dict[str, dict] = {
     "cohere_compass_text": {
         "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}}
     },
-    # Gemma 3n: 15 layers share another's KV cache by default (more than 2 layers hold), and its
-    # per-layer inputs and activation sparsity are sized per layer of the released model
-    "gemma3n_text": {
-        "layer_types": ["sliding_attention", "full_attention"],
-        "num_kv_shared_layers": 0,
-        "vocab_size_per_layer_input": VOCAB,
-        "hidden_size_per_layer_input": 16,
-        "laurel_rank": 8,
-        "activation_sparsity_pattern": [0.0, 0.0],
-    },
+    # Gemma 3n: its last 15 layers reuse an earlier layer's KV cache by default (more than 2 layers
+    # hold), and its per-layer input embeddings have a vocabulary of their own
+    "gemma3n_text": {"num_kv_shared_layers": 0, "vocab_size_per_layer_input": VOCAB},
     "gemma4_text": GEMMA4_TEXT,
+    # the text's per-layer inputs, the vision position table and the audio projection (2.6M
+    # parameters with the text's alone)
     "gemma4": {
         "text_config": GEMMA4_TEXT,
         "audio_config": {"output_proj_dims": 64},
         "vision_config": {"position_embedding_size": 64},
     },
-    "gemma4_unified": {"vision_config": {"mm_embed_dim": 64, "mm_posemb_size": 16, "output_proj_dims": 64}},
-    # the drafter takes no per-layer inputs (its default text config has them, and is refused)
+    "gemma4_unified": {"vision_config": {"mm_embed_dim": 64}},  # the vision embedder's width (35M parameters)
+    # the drafter takes no per-layer inputs: its config's validation refuses the default text config's
     "gemma4_assistant": {
         "text_config": {"model_type": "gemma4_text", "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
     },
-    # SAM vision tower: its MLP, neck channels and global-attention layers in 2 layers
-    "got_ocr2": {"vision_config": {"mlp_dim": 128, "output_channels": 16, "global_attn_indexes": [1]}},
-    "moshi": {"ffn_dim": 128, "depth_decoder_config": {"ffn_dim": 128}},
+    # the SAM vision tower's neck channels, which the projector's convolutions widen (3.3M parameters)
+    "got_ocr2": {"vision_config": {"output_channels": 16}},
+    "moshi": {"ffn_dim": 128},  # its own name for the MLP width
+    # the audio encoder's convolution widths (1024 by default: 11M parameters)
     "phi4_multimodal": {
         "audio_config": {
             "num_blocks": 2,
@@ -169,11 +162,7 @@ OVERRIDES: dict[str, dict] = {
         }
     },
     # byte n-gram hash embeddings (500k rows by default) and the global width the local models meet
-    "blt": {
-        "encoder_hash_byte_group_vocab": 64,
-        "encoder_config": {"hidden_size_global": 64},
-        "decoder_config": {"hidden_size_global": 64},
-    },
+    "blt": {"encoder_hash_byte_group_vocab": 64, "decoder_config": {"hidden_size_global": 64}},
 }
 # Speculative-decoding drafters: their forward takes the target model's embeddings and KV states,
 # not token ids, so they are built without the token forward (patch() decides on them as on any).

@@ -14,7 +14,9 @@ Patched exactly means, on fp32 logits:
   call over the whole sequence);
 - rope_ext.from_pretrained of a saved patched model, and unpatch, give the same logits bit for bit.
 
-The census is built once per session and prints its counts; docs/families.md lists the refusals."""
+The tiny configs are tests/census_configs.py. The census is built once per session and prints its
+counts; docs/families.md lists the refusals and the checks that do not apply to a type (a causal
+LM whose text config transformers' auto class does not reload, a model that returns no cache)."""
 
 from __future__ import annotations
 
