@@ -186,6 +186,7 @@ class _Capture:
 
     def __init__(self, base: str, replay: list | None = None):
         self.base, self.replay, self.calls, self.plain = base, replay, [], []
+        self.positions = []  # the positions the rotary module is called with (identity run)
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         index = len(self.calls)
@@ -239,6 +240,7 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
         signature = inspect.signature(real)
 
         def identity(*args, **kwargs):
+            capture.positions.append(kwargs.get("position_ids", args[1] if len(args) > 1 else None))
             cos, sin = real(identity_of, *args, **kwargs)
             if layer_type is not None and signature.bind(identity_of, *args, **kwargs).arguments.get("layer_type") != layer_type:
                 return cos, sin
@@ -298,6 +300,11 @@ def probe(model: nn.Module) -> Structure:
         ident = _Capture(base, real.calls)
         if not torch.equal(_run(model, ids[None], ident, rotary, patched), logits):
             raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        # M-RoPE (Qwen3.5) passes a row of positions per axis (text, height, width); rope-ext's
+        # cos/sin follow one position per token, and its module would broadcast the axes into the heads.
+        axes = sorted({tuple(p.shape) for p in ident.positions if torch.is_tensor(p) and p.dim() > 2})
+        if axes:
+            raise Refused("format", f"{type(rotary).__name__} is called with positions per axis, of shape {axes[0]}")
         kept = {}  # the layer types the patch keeps: which calls each rotates
         for layer_type in types:
             if layer_type != patched:
