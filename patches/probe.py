@@ -79,6 +79,7 @@ class Structure:
     attention: tuple[str, ...]  # attention modules, in call order
     rope: tuple[bool, ...]  # whether each applies the rotation
     layout: str  # "half" or "interleaved"
+    channels: str  # "leading" or "trailing" (multi-head latent attention): which rotary_dim channels rotate
     head_dim: int
     rotary_dim: int
     cos_format: str  # "cat", "repeated" or "half"
@@ -213,14 +214,16 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
             del identity_of.forward
 
 
-def _rotation(real, identity, cos, sin, rotary_dim):
-    """The (layout,) under which rope-ext's rotation of `identity` gives `real` bit for bit, None
-    when the tensors are equal (no rotation), or raise."""
+def _rotation(real, identity, cos, sin):
+    """The (layout, channels) under which rope-ext's rotation of `identity` gives `real` bit for
+    bit, None when the tensors are equal (no rotation), or False."""
     if torch.equal(real, identity):
         return None
-    for layout in ("half", "interleaved"):
-        if torch.equal(apply_rotary(identity, cos, sin, layout), real):
-            return layout
+    spans = ("leading", "trailing") if identity.shape[-1] > cos.shape[-1] else ("leading",)
+    for channels in spans:
+        for layout in ("half", "interleaved"):
+            if torch.equal(apply_rotary(identity, cos, sin, layout, channels), real):
+                return layout, channels
     return False
 
 
@@ -258,7 +261,7 @@ def probe(model: nn.Module) -> Structure:
     rope, layouts, head_dims = [], set(), set()
     for (module, q, k), (_, q_id, k_id) in zip(real.calls, ident.calls):
         cos, sin = cos_sin(rotary.inv_freq, scale, positions, q.dtype)
-        found = {_rotation(q, q_id, cos, sin, rotary_dim), _rotation(k, k_id, cos, sin, rotary_dim)}
+        found = {_rotation(q, q_id, cos, sin), _rotation(k, k_id, cos, sin)}
         if found == {None}:
             rope.append(False)
             continue
@@ -266,7 +269,7 @@ def probe(model: nn.Module) -> Structure:
             raise Refused(
                 "rotation",
                 f"`{names[id(module)]}` (a norm or another step between the rotation and attention, or a pairing other "
-                "than halves or interleaved pairs of the leading channels)",
+                "than halves or interleaved pairs of the leading or trailing channels)",
             )
         rope.append(True)
         layouts |= found
@@ -275,11 +278,13 @@ def probe(model: nn.Module) -> Structure:
         raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated")
     if len(layouts) > 1 or len(head_dims) > 1:
         raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
+    layout, channels = layouts.pop()
     return Structure(
         rotary=rotary_name,
         attention=tuple(names[id(m)] for m in modules),
         rope=tuple(rope),
-        layout=layouts.pop(),
+        layout=layout,
+        channels=channels,
         head_dim=head_dims.pop(),
         rotary_dim=rotary_dim,
         cos_format=found_format,
