@@ -26,7 +26,7 @@ from rope_ext.record import Patch, config_values, restore, rope_parameters, writ
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
-from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe
+from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
@@ -233,6 +233,9 @@ class LlamaFamily(FamilyAdapter):
         parameters."""
         if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
             raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
+        if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
+            found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
+            raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
         if self.installed(site) is not None:
             self._detach(site)
         site.swap_rotary(rotary)

@@ -58,6 +58,11 @@ REASONS = {
         "score softcap or a mask of its own), which the methods that compute attention themselves (self_extend, "
         "rerope, string, sink_window, dca) do not take; frequency methods, dynamic ones included, apply"
     ),
+    "rotation-elsewhere": (
+        "the rotation also reaches a module other than the queries and keys attention receives (a sparse-attention "
+        "indexer choosing keys by rotated scores), which the methods that rotate inside attention (dynamic ones and "
+        "self_extend, rerope, string, sink_window, dca) would hand an identity rotation; static frequency methods apply"
+    ),
 }
 # refused per method, at patch(): the methods that compute attention themselves
 ATTENTION_REFUSAL = REASONS["attention"]
@@ -84,6 +89,8 @@ class Structure:
     rotary_dim: int
     cos_format: str  # "cat", "repeated" or "half"
     plain_attention: bool  # every attention call is causal softmax attention of its inputs (_plain)
+    # modules other than the rotary one whose output the rotation changes outside attention's inputs
+    rotation_elsewhere: tuple[str, ...] = ()
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -185,6 +192,50 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
     return mine.shape == theirs.shape and torch.allclose(mine, theirs, rtol=PLAIN_TOLERANCE, atol=PLAIN_TOLERANCE)
 
 
+def _tensors(output) -> list[torch.Tensor]:
+    if torch.is_tensor(output):
+        return [output.detach().clone()]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in _tensors(item)]
+    return []
+
+
+class _Outputs:
+    """Each module's tensor outputs in a forward, by name (a module called twice, twice)."""
+
+    def __init__(self, model: nn.Module, skip: nn.Module):
+        self.seen: dict[str, list] = {}
+        self._hooks = [
+            module.register_forward_hook(self._hook(name)) for name, module in model.named_modules() if module is not skip
+        ]
+
+    def _hook(self, name):
+        def record(module, args, output):
+            self.seen.setdefault(name, []).append(_tensors(output))
+
+        return record
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _changed(real: _Outputs, identity: _Outputs) -> tuple[str, ...]:
+    """The innermost modules whose outputs differ between the two runs (not the ones holding them)."""
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+    changed = [
+        name
+        for name, outputs in real.seen.items()
+        if len(outputs) != len(identity.seen.get(name, ())) or not all(map(same, outputs, identity.seen[name]))
+    ]
+    return tuple(name for name in changed if not any(other.startswith(f"{name}.") for other in changed if name))
+
+
 def _run(model, ids, capture: _Capture, identity_of: nn.Module | None):
     config = model.config
     base = PROBE_BACKEND
@@ -243,15 +294,23 @@ def probe(model: nn.Module) -> Structure:
     model.eval()
     base = PROBE_BACKEND
     try:
-        real = _Capture(base)
-        logits = _run(model, ids[None], real, None)
+        real, real_outputs = _Capture(base), _Outputs(model, rotary)
+        try:
+            logits = _run(model, ids[None], real, None)
+        finally:
+            real_outputs.remove()
         if not real.calls:
             raise Refused("outside-attention", "no attention call went through transformers' AttentionInterface")
-        ident = _Capture(base, real.calls)
-        if not torch.equal(_run(model, ids[None], ident, rotary), logits):
-            raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        ident, ident_outputs = _Capture(base, real.calls), _Outputs(model, rotary)
+        try:
+            if not torch.equal(_run(model, ids[None], ident, rotary), logits):
+                raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        finally:
+            ident_outputs.remove()
     finally:
         model.train(training)
+    # e.g. DeepSeek-V3.2's indexer: it ranks keys by its own rotated scores, all of them at this length
+    elsewhere = _changed(real_outputs, ident_outputs)
     names = {id(module): name for name, module in model.named_modules()}
     modules = [module for module, _, _ in real.calls]
     if len({id(m) for m in modules}) != len(modules):
@@ -289,4 +348,5 @@ def probe(model: nn.Module) -> Structure:
         rotary_dim=rotary_dim,
         cos_format=found_format,
         plain_attention=all(real.plain),
+        rotation_elsewhere=elsewhere,
     )

@@ -50,4 +50,7 @@ class RotaryGeometry:
         return self.layout, self.channels
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        if self.channels == "leading":  # the default: records of such models read as they always have
+            del values["channels"]
+        return values

@@ -53,6 +53,7 @@ SHAPE = dict(
     zero_expert_num=2,  # longcat_flash
     expert_ffn_hidden_size=32,
     ffn_hidden_size=128,
+    index_topk=16,  # sparse-attention indexers keep 16 keys: past 16 tokens their ranking counts
     vocab_size=VOCAB,
     max_position_embeddings=WINDOW,
     pad_token_id=0,
@@ -77,8 +78,11 @@ PATCHED = {
     "hy_v4": {},
 }
 EAGER_ONLY = ("hy_v4",)  # transformers runs its attention on the eager backend only
-# the reason each type refuses the methods that compute attention themselves
-ATTENTION_REFUSED = {"hy_v4": "attention"}  # learned sinks
+# The reason each type refuses the methods that rotate inside attention (dynamic ones among them):
+# a sparse-attention indexer ranks keys by scores of its own rotated queries and keys, which such a
+# method would hand an identity rotation; hy_v4's learned sinks refuse those that compute attention.
+REFUSED_INSIDE = {name: "rotation-elsewhere" for name in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")}
+ATTENTION_REFUSED = {"hy_v4": "attention"}
 FREQUENCY = ("yarn", "ntk", "linear")
 INSIDE_ATTENTION = ("dynamic", "dynamic_yarn", "self_extend", "sink_window", "dca", "rerope")
 MOE_TOLERANCE = 1e-5
@@ -180,8 +184,10 @@ def test_methods_inside_attention_rotate_the_models_channels(name, method):
     model = mla(name)
     inside, past = ids(WINDOW), ids(WINDOW + 16, seed=1)
     reference = logits(model, inside)
-    if name in ATTENTION_REFUSED and method not in ("dynamic", "dynamic_yarn"):
-        with pytest.raises(ValueError, match=re.escape(f"{method}: {REASONS[ATTENTION_REFUSED[name]]}")):
+    dynamic = method in ("dynamic", "dynamic_yarn")
+    reason = REFUSED_INSIDE.get(name) if dynamic else ATTENTION_REFUSED.get(name, REFUSED_INSIDE.get(name))
+    if reason is not None:
+        with pytest.raises(ValueError, match=re.escape(f"{method}: {REASONS[reason]}")):
             rope_ext.patch(model, method, factor=4)
         assert not hasattr(model.config, "rope_ext") and torch.equal(logits(model, inside), reference)
         return
@@ -251,15 +257,25 @@ def test_a_yarn_patch_sets_the_softmax_scale_transformers_builds(name):
     assert torch.equal(logits(model, past), reference)
 
 
-def test_attention_side_methods_drop_the_checkpoints_softmax_scale():
+def test_attention_side_methods_drop_the_checkpoints_softmax_scale(tmp_path):
     """A patch replaces the checkpoint's scaling, mscale_all_dim's softmax scale with its
-    frequencies: inside the window self_extend is the model without the scaling (rope_type default)."""
+    frequencies: inside the window self_extend is the model without the scaling (rope_type default),
+    also reloaded by rope_ext.from_pretrained from a config that keeps the checkpoint's scaling."""
     model = mla("deepseek_v3", {**DEEPSEEK_YARN})
-    inside = ids(WINDOW)
+    inside, past = ids(WINDOW), ids(2 * WINDOW, seed=1)
     trained = twin_of(model, {"rope_type": "default", "rope_theta": 10000.0}, model.config.max_position_embeddings)
+    before = scalings(model)
     rope_ext.patch(model, "self_extend", factor=4)
-    assert scalings(model) == scalings(trained)
+    assert scalings(model) == scalings(trained) != before
     assert (logits(model, inside) - logits(trained, inside)).abs().max().item() <= MOE_TOLERANCE
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+    reloaded = rope_ext.from_pretrained(tmp_path).eval()
+    assert scalings(reloaded) == scalings(model)
+    assert torch.equal(logits(reloaded, past), logits(model, past))
+    rope_ext.unpatch(model)
+    assert scalings(model) == before
 
 
 def test_deepseek_v2_complex_rotation_is_refused_with_its_reason():
