@@ -12,9 +12,12 @@ its source or its model type.
   queries and keys are captured where they enter attention; a call whose identity-run queries and
   keys equal the real ones is a layer without RoPE (NoPE), any other must equal rope-ext's
   rotation of its identity-run queries and keys bit for bit, in one pairing and one span of
-  channels shared by every rotating layer. The identity run attends with the real run's queries
+  channels (the leading ones, or the trailing ones of multi-head latent attention) shared by every
+  rotating layer. The identity run attends with the real run's queries
   and keys, so every layer sees the inputs it had, and its logits must equal the real run's: a
-  rotation applied anywhere else than on what attention receives is caught there.
+  rotation applied anywhere else than on what attention receives is caught there; a module whose
+  outputs differ between the two runs (a sparse-attention indexer) takes the rotation elsewhere,
+  which the methods rotating inside attention cannot follow.
 """
 
 from __future__ import annotations

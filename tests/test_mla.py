@@ -76,6 +76,7 @@ PATCHED = {
     "deepseek_v32": {},
     "glm_moe_dsa": {},
     "hy_v4": {},
+    "bailing_hybrid": {"layer_group_size": 2},  # one linear-attention layer, one MLA layer
 }
 EAGER_ONLY = ("hy_v4",)  # transformers runs its attention on the eager backend only
 # The reason each type refuses the methods that rotate inside attention (dynamic ones among them):
