@@ -22,11 +22,11 @@ from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.attention_side import AttentionMethod
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
 from rope_ext.method.dca import CONFIG_KEY, stated_sizes
-from rope_ext.record import Patch, config_values, restore, write_native
+from rope_ext.record import Patch, config_values, restore, rope_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from .base import FamilyAdapter, unwrap
-from .probe import ATTENTION_REFUSAL, Refused, Structure, formatted, probe, rotary_call, typed
+from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe, rotary_call, typed
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
@@ -109,6 +109,28 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
+def softmax_scales(site: RotarySite, rope: dict) -> dict[nn.Module, float]:
+    """{attention module: the softmax `scaling` its class sets at construction from the model's
+    config holding `rope`}, for the modules that keep one and whose class builds from the config
+    (on the meta device: no weights). DeepSeek's MLA attention multiplies it by YaRN's mscale of
+    the config's factor and `mscale_all_dim`, so it follows the rope parameters; for the others it
+    is the head size's alone."""
+    config = copy.deepcopy(site.config)
+    config.rope_parameters = rope
+    scales = {}
+    for module in site.attention + site.nope:
+        if not isinstance(getattr(module, "scaling", None), float):
+            continue
+        try:
+            with torch.device("meta"):
+                built = type(module)(config, getattr(module, "layer_idx", 0)).scaling
+        except Exception:  # a class that does not build from (config, layer_idx) keeps its own value
+            continue
+        if isinstance(built, float):
+            scales[module] = built
+    return scales
+
+
 class PassThrough(AttentionTransform):
     """The attention of a layer without RoPE under a patch: the backend, unchanged."""
 
@@ -186,6 +208,7 @@ class LlamaFamily(FamilyAdapter):
             original_window=int(record["original_window"]),
             layout=site.structure.layout,
             head_dim=site.structure.head_dim,
+            channels=site.structure.channels,
         )
         if verify and rope.get("rope_type", "default") == "default":
             # Compared in the dtype the buffer has: a cast of the model (`model.half()`) is no
@@ -245,6 +268,9 @@ class LlamaFamily(FamilyAdapter):
         parameters."""
         if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
             raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
+        if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
+            found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
+            raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
         if self.installed(site) is not None:
             self._detach(site)
         site.swap_rotary(rotary)
@@ -257,12 +283,24 @@ class LlamaFamily(FamilyAdapter):
             native = None
         # Written either way, so that a repatch writes what a first patch does.
         write_native(site.config, native, rotary.original, max_length, site.layer_type)
+        # The softmax scale follows the rope parameters the patch rotates by, as transformers
+        # builds it from them: the native form, or without one the trained frequencies (the
+        # checkpoint's scaling, its mscale included, is replaced, as its frequencies are).
+        rope = (
+            site.config.rope_parameters
+            if native is not None
+            else rope_parameters(site.config.rope_parameters, {"rope_type": "default"}, site.layer_type)
+        )
+        for module, scaling in softmax_scales(site, rope).items():
+            module.scaling = scaling
         return native
 
     def uninstall(self, site: RotarySite) -> None:
         rotary = self.installed(site)
         self._detach(site)
         restore(site.config, rotary.original)
+        for module, scaling in softmax_scales(site, site.config.rope_parameters).items():
+            module.scaling = scaling
         restored = rotary.original_cls(site.config).to(rotary.inv_freq.device)
         site.swap_rotary(restored)
 

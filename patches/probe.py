@@ -14,12 +14,14 @@ its source or its model type.
   queries and keys are captured where they enter attention; a call whose identity-run queries and
   keys equal the real ones is a layer without RoPE (NoPE), any other must equal rope-ext's
   rotation of its identity-run queries and keys bit for bit, in one pairing and one span of
-  channels shared by every rotating layer. The identity run attends with the real run's queries
+  channels (the leading ones, or the trailing ones of multi-head latent attention) shared by every
+  rotating layer. The identity run attends with the real run's queries
   and keys, so every layer sees the inputs it had, and its logits must equal the real run's: a
-  rotation applied anywhere else than on what attention receives is caught there. Frequencies
-  kept per layer type get one identity run per type, each answering an identity rotation for that
-  type alone: the calls it changes are the layers of that type, and only the patched type's must
-  be rope-ext's rotation.
+  rotation applied anywhere else than on what attention receives is caught there; a module whose
+  outputs differ between the two runs (a sparse-attention indexer) takes the rotation elsewhere,
+  which the methods rotating inside attention cannot follow. Frequencies kept per layer type get
+  one identity run per type, each answering an identity rotation for that type alone: the calls it
+  changes are the layers of that type, and only the patched type's must be rope-ext's rotation.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ REASONS = {
         "score softcap or a mask of its own), which the methods that compute attention themselves (self_extend, "
         "rerope, string, sink_window, dca) do not take; frequency methods, dynamic ones included, apply"
     ),
+    "rotation-elsewhere": (
+        "the rotation also reaches a module other than the queries and keys attention receives (a sparse-attention "
+        "indexer choosing keys by rotated scores), which the methods that rotate inside attention (dynamic ones and "
+        "self_extend, rerope, string, sink_window, dca) would hand an identity rotation; static frequency methods apply"
+    ),
 }
 # refused per method, at patch(): the methods that compute attention themselves
 ATTENTION_REFUSAL = REASONS["attention"]
@@ -91,6 +98,7 @@ class Structure:
     attention: tuple[str, ...]  # attention modules, in call order
     rope: tuple[bool, ...]  # whether each applies the rotation the patch replaces (of `layer_type`)
     layout: str  # "half" or "interleaved"
+    channels: str  # "leading" or "trailing" (multi-head latent attention): which rotary_dim channels rotate
     head_dim: int
     rotary_dim: int
     cos_format: str  # "cat", "repeated" or "half"
@@ -99,6 +107,8 @@ class Structure:
     # (None: no rotation); the calls of other types are left alone, as NoPE ones are.
     layer_type: str | None = None
     layer_types: tuple[str | None, ...] = ()
+    # modules other than the rotary one whose output the rotation changes outside attention's inputs
+    rotation_elsewhere: tuple[str, ...] = ()
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -227,6 +237,50 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
     return mine.shape == theirs.shape and torch.allclose(mine, theirs, rtol=PLAIN_TOLERANCE, atol=PLAIN_TOLERANCE)
 
 
+def _tensors(output) -> list[torch.Tensor]:
+    if torch.is_tensor(output):
+        return [output.detach().clone()]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [tensor for item in output for tensor in _tensors(item)]
+    return []
+
+
+class _Outputs:
+    """Each module's tensor outputs in a forward, by name (a module called twice, twice)."""
+
+    def __init__(self, model: nn.Module, skip: nn.Module):
+        self.seen: dict[str, list] = {}
+        self._hooks = [
+            module.register_forward_hook(self._hook(name)) for name, module in model.named_modules() if module is not skip
+        ]
+
+    def _hook(self, name):
+        def record(module, args, output):
+            self.seen.setdefault(name, []).append(_tensors(output))
+
+        return record
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _changed(real: _Outputs, identity: _Outputs) -> tuple[str, ...]:
+    """The innermost modules whose outputs differ between the two runs (not the ones holding them)."""
+
+    def same(a, b):
+        return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+    changed = [
+        name
+        for name, outputs in real.seen.items()
+        if len(outputs) != len(identity.seen.get(name, ())) or not all(map(same, outputs, identity.seen[name]))
+    ]
+    return tuple(name for name in changed if not any(other.startswith(f"{name}.") for other in changed if name))
+
+
 def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_type: str | None = None):
     """The logits of a forward through `capture`; with `identity_of`, that rotary module answers an
     identity rotation (for `layer_type` alone, where it keeps frequencies per layer type)."""
@@ -262,14 +316,16 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
             del identity_of.forward
 
 
-def _rotation(real, identity, cos, sin, rotary_dim):
-    """The (layout,) under which rope-ext's rotation of `identity` gives `real` bit for bit, None
-    when the tensors are equal (no rotation), or raise."""
+def _rotation(real, identity, cos, sin):
+    """The (layout, channels) under which rope-ext's rotation of `identity` gives `real` bit for
+    bit, None when the tensors are equal (no rotation), or False."""
     if torch.equal(real, identity):
         return None
-    for layout in ("half", "interleaved"):
-        if torch.equal(apply_rotary(identity, cos, sin, layout), real):
-            return layout
+    spans = ("leading", "trailing") if identity.shape[-1] > cos.shape[-1] else ("leading",)
+    for channels in spans:
+        for layout in ("half", "interleaved"):
+            if torch.equal(apply_rotary(identity, cos, sin, layout, channels), real):
+                return layout, channels
     return False
 
 
@@ -293,13 +349,19 @@ def probe(model: nn.Module) -> Structure:
     model.eval()
     base = PROBE_BACKEND
     try:
-        real = _Capture(base)
-        logits = _run(model, ids[None], real, None)
+        real, real_outputs = _Capture(base), _Outputs(model, rotary)
+        try:
+            logits = _run(model, ids[None], real, None)
+        finally:
+            real_outputs.remove()
         if not real.calls:
             raise Refused("outside-attention", "no attention call went through transformers' AttentionInterface")
-        ident = _Capture(base, real.calls)
-        if not torch.equal(_run(model, ids[None], ident, rotary, patched), logits):
-            raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        ident, ident_outputs = _Capture(base, real.calls), _Outputs(model, rotary)
+        try:
+            if not torch.equal(_run(model, ids[None], ident, rotary, patched), logits):
+                raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+        finally:
+            ident_outputs.remove()
         # M-RoPE (Qwen3.5) passes a row of positions per axis (text, height, width); rope-ext's
         # cos/sin follow one position per token, and its module would broadcast the axes into the heads.
         axes = sorted({tuple(p.shape) for p in ident.positions if torch.is_tensor(p) and p.dim() > 2})
@@ -312,6 +374,8 @@ def probe(model: nn.Module) -> Structure:
                 _run(model, ids[None], kept[layer_type], rotary, layer_type)
     finally:
         model.train(training)
+    # e.g. DeepSeek-V3.2's indexer: it ranks keys by its own rotated scores, all of them at this length
+    elsewhere = _changed(real_outputs, ident_outputs)
     names = {id(module): name for name, module in model.named_modules()}
     modules = [module for module, _, _ in real.calls]
     if len({id(m) for m in modules}) != len(modules):
@@ -322,7 +386,7 @@ def probe(model: nn.Module) -> Structure:
     rope, layouts, head_dims, layer_types = [], set(), set(), []
     for index, ((module, q, k), (_, q_id, k_id)) in enumerate(zip(real.calls, ident.calls)):
         cos, sin = cos_sin(inv_freq, scale, positions, q.dtype)
-        found = {_rotation(q, q_id, cos, sin, rotary_dim), _rotation(k, k_id, cos, sin, rotary_dim)}
+        found = {_rotation(q, q_id, cos, sin), _rotation(k, k_id, cos, sin)}
         rotated_by = [t for t, run in kept.items() if not _unchanged(run.calls[index], q, k)]
         if found == {None}:
             rope.append(False)
@@ -334,7 +398,7 @@ def probe(model: nn.Module) -> Structure:
             raise Refused(
                 "rotation",
                 f"`{names[id(module)]}` (a norm or another step between the rotation and attention, or a pairing other "
-                "than halves or interleaved pairs of the leading channels)",
+                "than halves or interleaved pairs of the leading or trailing channels)",
             )
         rope.append(True)
         layer_types.append(patched)
@@ -345,17 +409,20 @@ def probe(model: nn.Module) -> Structure:
         raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated{rotated}")
     if len(layouts) > 1 or len(head_dims) > 1:
         raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
+    layout, channels = layouts.pop()
     return Structure(
         rotary=rotary_name,
         attention=tuple(names[id(m)] for m in modules),
         rope=tuple(rope),
-        layout=layouts.pop(),
+        layout=layout,
+        channels=channels,
         head_dim=head_dims.pop(),
         rotary_dim=rotary_dim,
         cos_format=found_format,
         plain_attention=all(real.plain),
         layer_type=patched,
         layer_types=tuple(layer_types) if types else (),
+        rotation_elsewhere=elsewhere,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 Layout = Literal["half", "interleaved"]
+Channels = Literal["leading", "trailing"]
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,9 @@ class RotaryGeometry:
     original_window: L, the window the model was trained with; factors are relative to it.
     layout: how pairs are formed: "half" pairs channel i with i + D/2 (LLaMA's rotate_half),
         "interleaved" pairs 2i with 2i+1 (GLM, ChatGLM).
-    head_dim: the full head size; channels past rotary_dim pass through unrotated.
+    head_dim: the full head size; channels outside the rotated ones pass through unrotated.
+    channels: which rotary_dim channels of a head rotate: "leading" (the first, partial rotary),
+        or "trailing" (the last: multi-head latent attention, DeepSeek-V2/V3 and their kin).
     """
 
     rotary_dim: int
@@ -25,6 +28,7 @@ class RotaryGeometry:
     original_window: int
     layout: Layout = "half"
     head_dim: int | None = None
+    channels: Channels = "leading"
 
     def __post_init__(self):
         if self.rotary_dim < 4 or self.rotary_dim % 2:
@@ -35,8 +39,18 @@ class RotaryGeometry:
             raise ValueError(f"original window must be >= 1, got {self.original_window}")
         if self.layout not in ("half", "interleaved"):
             raise ValueError(f"layout must be 'half' or 'interleaved', got {self.layout!r}")
+        if self.channels not in ("leading", "trailing"):
+            raise ValueError(f"channels must be 'leading' or 'trailing', got {self.channels!r}")
         if self.head_dim is not None and self.head_dim < self.rotary_dim:
             raise ValueError(f"head_dim {self.head_dim} < rotary_dim {self.rotary_dim}")
 
+    @property
+    def pairing(self) -> tuple[str, str]:
+        """(layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin)."""
+        return self.layout, self.channels
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        if self.channels == "leading":  # the default: records of such models read as they always have
+            del values["channels"]
+        return values

@@ -39,9 +39,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) 
     return out
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """Rotate the first D channels of x [B, H, S, head_dim] by (cos, sin) [B, S, D] from `cos_sin`;
-    channels past D pass through (partial rotary)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading") -> torch.Tensor:
+    """Rotate D channels of x [B, H, S, head_dim] by (cos, sin) [B, S, D] from `cos_sin`: the first
+    D ("leading"), or the last D ("trailing": multi-head latent attention appends its rotated
+    channels to unrotated ones); the others pass through (partial rotary)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if layout == "interleaved":
         cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
@@ -49,6 +50,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
     dim = cos.shape[-1]
     if dim == x.shape[-1]:
         return _rotate(x, cos, sin, layout)
+    if channels == "trailing":
+        split = x.shape[-1] - dim
+        return torch.cat((x[..., :split], _rotate(x[..., split:], cos, sin, layout)), dim=-1)
     return torch.cat((_rotate(x[..., :dim], cos, sin, layout), x[..., dim:]), dim=-1)
 
 

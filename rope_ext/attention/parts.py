@@ -48,12 +48,21 @@ SCORE_BYTES = 128 << 20
 def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None):
     """(output [B, H, Sq, D], logsumexp [B, H, Sq] in fp32) of softmax attention; `causal` aligns
     the first query with the first key, `mask` is additive in the query's dtype. Key heads may be
-    grouped. A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
+    grouped, and values may have another head size than queries and keys (multi-head latent
+    attention). A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
     if query.device.type == "cpu":
-        # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp; it takes
+        # one head size, so the smaller side gets zero channels, which add nothing to scores or outputs
+        size, width = query.shape[-1], value.shape[-1]
+        if width < size:
+            value = torch.nn.functional.pad(value, (0, size - width))
+        elif width > size:
+            scale = size**-0.5 if scale is None else scale
+            query, key = (torch.nn.functional.pad(x, (0, width - size)) for x in (query, key))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=mask, scale=scale
         )
+        return out[..., :width], lse
     return attend_with_lse_by_scores(query, key, value, causal=causal, mask=mask, scale=scale)
 
 

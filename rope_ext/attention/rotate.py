@@ -221,7 +221,7 @@ class RotateInAttention(AttentionTransform):
             cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
         else:
             cos, sin = self.per_forward(("cos_sin", key, x.dtype), lambda: cos_sin(inv_freq, scale, positions, x.dtype))
-        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+        return apply_rotary(x, cos, sin, *self.rotary.geometry.pairing)
 
     def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
         """One query row in one backend call, each key at `distances` [B or 1, kv_len] from it (its
@@ -291,7 +291,7 @@ class RotateInAttention(AttentionTransform):
             return None
         if not self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)):
             return None  # the next step rotates every key again: nothing to keep
-        layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
+        layers, pairing = self.rotated.layers(cache), self.rotary.geometry.pairing
         kv_len, held = key.shape[-2], key.shape[-2] - q_len
         shape = (*key.shape[:2], key.shape[-1])
         entry = layers.get(index)
@@ -305,12 +305,12 @@ class RotateInAttention(AttentionTransform):
             if buffer.shape[-2] < kv_len:
                 buffer = self._grown(buffer, key, held)
             buffer[:, :, held:kv_len] = apply_rotary(
-                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout
+                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), *pairing
             )
         else:
             # no room yet: where the scaling moves at every step (past the window at granularity 1)
             # the next step rotates every key again, and room would be a copy for nothing
-            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
+            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), *pairing)
         layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
         return buffer[:, :, :kv_len]
 
@@ -336,15 +336,15 @@ class RotateInAttention(AttentionTransform):
     ):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
         else computed here and let go. `rotated_key`: the keys already rotated (_kept_keys)."""
-        layout = self.rotary.geometry.layout
+        pairing = self.rotary.geometry.pairing
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
         if rotated_key is not None:
-            return attend(module, apply_rotary(query, q_cos, q_sin, layout), rotated_key, value, mask, **kwargs)
+            return attend(module, apply_rotary(query, q_cos, q_sin, *pairing), rotated_key, value, mask, **kwargs)
         if held:
             k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         else:
             inv_freq, scale = frame.angles(length)
             k_cos, k_sin = cos_sin(inv_freq, scale, frame.k_pos[:, slice(*k_span)], key.dtype)
         return attend(
-            module, apply_rotary(query, q_cos, q_sin, layout), apply_rotary(key, k_cos, k_sin, layout), value, mask, **kwargs
+            module, apply_rotary(query, q_cos, q_sin, *pairing), apply_rotary(key, k_cos, k_sin, *pairing), value, mask, **kwargs
         )

@@ -146,7 +146,7 @@ class SinkWindowAttention(RotateInAttention):
         self.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
         written = frame.k_pos.shape[-1]
         let_go = written - kv_len  # keys between the sinks and the window that the cache no longer holds
-        layout, trained = self.rotary.geometry.layout, self.rotary.geometry.original_window
+        pairing, trained = self.rotary.geometry.pairing, self.rotary.geometry.original_window
         sinks, window = self.rotary.params["sinks"], self.rotary.params["window"]
         if let_go and kv_len != sinks + window - 1 + q_len:
             raise ValueError(
@@ -157,7 +157,7 @@ class SinkWindowAttention(RotateInAttention):
         def true_positions(x, keys, start, stop):  # x[:, :, start:stop] at its own positions
             shift = let_go if keys and start >= sinks else 0  # indices past the sinks skip the keys let go
             cos, sin = frame.rotation(trained, keys, start + shift, stop + shift, x.dtype)
-            return apply_rotary(x[:, :, start:stop], cos, sin, layout)
+            return apply_rotary(x[:, :, start:stop], cos, sin, *pairing)
 
         span = sinks + window
         offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
