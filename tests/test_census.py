@@ -43,6 +43,9 @@ MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
 # The refusal attention-side methods give on their own, besides the probe's REASONS.
 METHOD_REASONS = {"sliding-window": "attend through a sliding window"}
+# patch()'s own refusal of a checkpoint whose scaling records no pretraining window
+# (rope_ext.patching): the user gives original_window=, the census has no window to give.
+PATCH_REASONS = {"no-window": "does not record the window it was pretrained with"}
 
 
 @torch.no_grad()
@@ -164,7 +167,7 @@ def census(tmp_path) -> dict[str, tuple[str, str]]:
         try:
             rope_ext.patch(copy.deepcopy(model), "yarn", factor=4)
         except Exception as err:
-            reason = next((key for key, text in REASONS.items() if text in str(err)), None)
+            reason = next((key for key, text in {**REASONS, **PATCH_REASONS}.items() if text in str(err)), None)
             listed = isinstance(err, ValueError) and reason
             results[model_type] = ("refused", reason) if listed else ("failed", f"{type(err).__name__}: {err}")
             continue
