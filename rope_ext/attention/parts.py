@@ -34,7 +34,7 @@ def exact_rows(module, query, key, value, mask, attend: Callable, offset: int, r
     end = offset + rows
     if mask is not None:
         mask = mask[:, :, :rows, :end]
-    elif offset:  # sdpa's causal shortcut covers only a square block
+    elif offset and rows > 1:  # sdpa's causal shortcut covers only a square block; one row sees every key
         mask = causal_mask(offset, rows, end, query.dtype, query.device)
     out, _ = attend(module, query[:, :, :rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
     return out
@@ -51,6 +51,15 @@ def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tens
     grouped. A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
     if query.device.type == "cpu":
         # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp
+        batch, heads, rows, dim = query.shape
+        groups = heads // key.shape[1]
+        if rows == 1 and groups > 1 and not causal and (mask is None or mask.shape[1] == 1):
+            # one row of grouped heads (a decode step): the heads of each key head as rows of one
+            # call, so that its keys are read once, not once per head (transformers' pack_gqa)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query.reshape(batch, heads // groups, groups, dim), key, value, 0.0, False, attn_mask=mask, scale=scale
+            )
+            return out.reshape(batch, heads, 1, out.shape[-1]), lse.reshape(batch, heads, 1)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=mask, scale=scale
         )

@@ -19,15 +19,18 @@ from .parts import causal_mask, hides_keys
 
 class RotatedKeys:
     """Each KV cache's keys (by the cache object's identity, weakly, as rotary.KeyPositions) rotated
-    under one scaling, per layer, kept between the forwards of a decode: a step whose scaling has
-    not changed rotates only its new keys. It takes as much memory as the key cache again, and up
+    to one position map, per layer and map, kept between the forwards of a decode: a step rotates
+    only its new keys. A map is named by what fixes each key's angles for the cache's life (a
+    dynamic method's scaling; an attention-side method's own or grouped positions), so a name
+    never serves other angles. Each map kept takes as much memory as the key cache again, and up
     to a quarter more (room for the next steps' keys).
 
     A layer's rotated keys hold while the layer's key tensor is the one they were rotated from:
     transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
     batch_repeat_interleave, batch_select_indices), so a cache changed between forwards is rotated
-    again in full, never served stale. Other cache layers (which may write in place) are always
-    rotated in full. A copy of the store (deepcopy or pickle of the model) starts empty."""
+    again in full, never served stale, and a map a forward did not use is let go before the next.
+    Other cache layers (which may write in place) are always rotated in full. A copy of the store
+    (deepcopy or pickle of the model) starts empty."""
 
     def __init__(self):
         self._caches: list[tuple[weakref.ref, dict]] = []
@@ -35,25 +38,25 @@ class RotatedKeys:
     def __reduce__(self):
         return (RotatedKeys, ())
 
-    def layers(self, cache) -> dict:
-        """{layer index: (length, number of keys, (B, H, D), rotated keys in a buffer with room for
-        more, weak reference to the key tensor they came from)}."""
-        found = next((layers for ref, layers in self._caches if ref() is cache), None)
+    def entries(self, cache) -> dict:
+        """{(layer index, map name): (number of keys, (B, H, D), rotated keys in a buffer with room
+        for more, weak reference to the key tensor they came from)}."""
+        found = next((entries for ref, entries in self._caches if ref() is cache), None)
         if found is None:
             found = {}
-            self._caches = [(ref, layers) for ref, layers in self._caches if ref() is not None]
+            self._caches = [(ref, entries) for ref, entries in self._caches if ref() is not None]
             self._caches.append((weakref.ref(cache), found))
         return found
 
     def check(self, cache) -> None:
-        """Before a forward: let go of the layers of `cache` changed since they were rotated."""
+        """Before a forward: let go of the entries of `cache` whose layer changed since they were rotated."""
         cache_layers = getattr(cache, "layers", None)
         if cache_layers is None:
             return
-        layers = self.layers(cache)
-        for index in list(layers):
-            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][-1]():
-                del layers[index]
+        entries = self.entries(cache)
+        for index, name in list(entries):
+            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not entries[index, name][-1]():
+                del entries[index, name]
 
 
 class RotateInAttention(AttentionTransform):
@@ -117,21 +120,17 @@ class RotateInAttention(AttentionTransform):
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
-            kept = self._kept_keys(module, key, frame, groups[0][0], q_len)
-            return self._attend(
+            length = groups[0][0]
+            kept = self.kept_keys(
                 module,
-                query,
                 key,
-                value,
-                attention_mask,
-                attend,
-                frame,
-                groups[0][0],
-                (0, q_len),
-                (first_key, written),
-                kwargs,
-                rotated_key=kept,
+                ("scaled", length),
+                lambda start, stop: frame.rotation(length, True, first_key + start, first_key + stop, key.dtype),
+                keep=self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
             )
+            q_cos, q_sin = frame.rotation(length, False, 0, q_len, query.dtype)
+            q_rotated = apply_rotary(query, q_cos, q_sin, self.rotary.geometry.layout)
+            return attend(module, q_rotated, kept, value, attention_mask, **kwargs)
         offset = kv_len - q_len
         out = weights = None
         for index, (length, lo, hi, chosen) in enumerate(groups):
@@ -223,20 +222,6 @@ class RotateInAttention(AttentionTransform):
             cos, sin = self.per_forward(("cos_sin", key, x.dtype), lambda: cos_sin(inv_freq, scale, positions, x.dtype))
         return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
 
-    def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
-        """One query row in one backend call, each key at `distances` [B or 1, kv_len] from it (its
-        position minus the query's, in the position maps of the method). RoPE scores depend on
-        the distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query is rotated at 0 and each key
-        at its distance, so keys that the method places at different query positions still go
-        through one call. `distances` and the frequencies must follow from the forward's positions
-        alone (the same in every layer that receives kv_len keys): their rotation is computed once
-        per forward."""
-        kv_len = key.shape[-2]
-        # rotated at 0, not left as is: the rotation carries the attention factor
-        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale, key=("query at 0",))
-        k_distant = self.rotate_to(key, distances, inv_freq, scale, key=("distances", kv_len))
-        return attend(module, q_zero, k_distant, value, attention_mask, **kwargs)
-
     def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
         transform that rotates them itself."""
@@ -275,11 +260,56 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _kept_keys(self, module, key, frame, length: int, q_len: int) -> torch.Tensor | None:
-        """`key` (a DynamicLayer's whole cache, without autograd) rotated under `length`'s scaling:
-        the keys before this forward from the store (self.rotated) where it holds them under that
-        scaling, the new ones rotated here; the store then holds them all. None where the store
-        does not apply (another cache layer, a forward that records gradients)."""
+    def keys_at(
+        self, module, key: torch.Tensor, name, k_pos: torch.Tensor, to_positions: Callable, inv_freq, scale
+    ) -> torch.Tensor:
+        """`key` (the keys attention received) rotated to to_positions(k_pos) [B or 1, kv_len] with the
+        given frequencies: the position map `name`, kept between forwards (kept_keys). The map and
+        the frequencies must be the patch's for the cache's life, and each key's position follow
+        from its own position alone; the (cos, sin) of the keys a forward rotates are computed once
+        per forward."""
+
+        def rotation(start: int, stop: int):
+            return self.per_forward(
+                ("keys at", name, start, stop, key.dtype),
+                lambda: cos_sin(inv_freq, scale, to_positions(k_pos[:, start:stop]), key.dtype),
+            )
+
+        return self.kept_keys(module, key, name, rotation)
+
+    def kept_keys(self, module, key: torch.Tensor, name, rotation: Callable, keep: bool = True) -> torch.Tensor:
+        """`key` (the keys attention received) rotated by `rotation(start, stop)`, the (cos, sin) of
+        keys start:stop under the position map `name` (RotatedKeys). Where `key` is a DynamicLayer's
+        whole cache in a forward without autograd, the keys before this forward come from the store
+        (self.rotated) where it holds them under `name`, the new ones are rotated here, and the
+        store then holds them all if `keep` (the next forward needs them); otherwise every key is
+        rotated here."""
+        layout, kv_len = self.rotary.geometry.layout, key.shape[-2]
+        index = self._stored_layer(module, key)
+        if index is None:
+            return apply_rotary(key, *rotation(0, kv_len), layout)
+        entries = self.rotated.entries(self.rotary.pending_cache)
+        held = kv_len - self.rotary.frame.q_pos.shape[-1]
+        shape = (*key.shape[:2], key.shape[-1])
+        entry = entries.get((index, name))
+        if entry is not None and entry[:2] == (held, shape) and entry[2].dtype == key.dtype and entry[2].device == key.device:
+            buffer = entry[2]
+            if buffer.shape[-2] < kv_len:
+                buffer = self._grown(buffer, key, held)
+            buffer[:, :, held:kv_len] = apply_rotary(key[:, :, held:], *rotation(held, kv_len), layout)
+        else:
+            # no room yet: a map the next step does not use (a dynamic scaling that moves at every
+            # step past the window) would make room a copy for nothing
+            buffer = apply_rotary(key, *rotation(0, kv_len), layout)
+        if keep:
+            entries[index, name] = (kv_len, shape, buffer, weakref.ref(key))
+        else:
+            entries.pop((index, name), None)
+        return buffer[:, :, :kv_len]
+
+    def _stored_layer(self, module, key: torch.Tensor) -> int | None:
+        """The index of the DynamicLayer whose whole cache `key` is, in a forward without autograd;
+        None where the store does not apply."""
         # the remote-code ChatGLM rotary module tracks no pending cache: its keys are rotated in full
         cache, index = getattr(self.rotary, "pending_cache", None), getattr(module, "layer_idx", None)
         cache_layers = getattr(cache, "layers", None)
@@ -287,32 +317,9 @@ class RotateInAttention(AttentionTransform):
             return None
         if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
             return None
-        if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+        if self.rotary.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
-        if not self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)):
-            return None  # the next step rotates every key again: nothing to keep
-        layers, layout = self.rotated.layers(cache), self.rotary.geometry.layout
-        kv_len, held = key.shape[-2], key.shape[-2] - q_len
-        shape = (*key.shape[:2], key.shape[-1])
-        entry = layers.get(index)
-        if (
-            entry is not None
-            and entry[:3] == (length, held, shape)
-            and entry[3].dtype == key.dtype
-            and entry[3].device == key.device
-        ):
-            buffer = entry[3]
-            if buffer.shape[-2] < kv_len:
-                buffer = self._grown(buffer, key, held)
-            buffer[:, :, held:kv_len] = apply_rotary(
-                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), layout
-            )
-        else:
-            # no room yet: where the scaling moves at every step (past the window at granularity 1)
-            # the next step rotates every key again, and room would be a copy for nothing
-            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), layout)
-        layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
-        return buffer[:, :, :kv_len]
+        return index
 
     def _scaling_holds(self, frame) -> bool:
         """Whether the next token's scaling is this forward's (inside the window, or within a
@@ -331,15 +338,11 @@ class RotateInAttention(AttentionTransform):
         grown[:, :, :held] = buffer[:, :, :held]
         return grown
 
-    def _attend(
-        self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True, rotated_key=None
-    ):
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
-        else computed here and let go. `rotated_key`: the keys already rotated (_kept_keys)."""
+        else computed here and let go."""
         layout = self.rotary.geometry.layout
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
-        if rotated_key is not None:
-            return attend(module, apply_rotary(query, q_cos, q_sin, layout), rotated_key, value, mask, **kwargs)
         if held:
             k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         else:

@@ -67,6 +67,7 @@ class StringMethod(TwoPartMethod):
     A factor is optional: without one (or with 1) the patch is for the trained window itself."""
 
     sizes: ClassVar[dict] = {"shift": 1, "local": 0}
+    distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
 
     def accept_factor(self, factor) -> float:
         return 1.0 if factor == 1 and not isinstance(factor, bool) else check_factor(factor)
