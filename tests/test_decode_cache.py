@@ -117,13 +117,14 @@ class RotatedRows:
 
     def __init__(self, monkeypatch):
         self.rows = 0
-        original = rope_ext.attention.rotate.apply_rotary
+        for name in ("apply_rotary", "rotate_prepared"):
+            original = getattr(rope_ext.attention.rotate, name)
 
-        def counted(x, *args, **kwargs):
-            self.rows += x.shape[-2]
-            return original(x, *args, **kwargs)
+            def counted(x, *args, original=original, **kwargs):
+                self.rows += x.shape[-2]
+                return original(x, *args, **kwargs)
 
-        monkeypatch.setattr(rope_ext.attention.rotate, "apply_rotary", counted)
+            monkeypatch.setattr(rope_ext.attention.rotate, name, counted)
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])

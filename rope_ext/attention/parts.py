@@ -102,7 +102,7 @@ def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     merged = weights[0] * parts[0][0]
     for weight, (out, _, _) in zip(weights[1:], parts[1:]):
         merged.addcmul_(weight, out)  # in place: a product and a sum per part would each be a new tensor
-    return merged.to(parts[0][0].dtype)
+    return merged if merged.dtype == parts[0][0].dtype else merged.to(parts[0][0].dtype)
 
 
 def window_parts(query, key, value, first: int, window: int, scale: float | None = None):

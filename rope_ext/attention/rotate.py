@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from rope_ext.rotation import apply_rotary, cos_sin
+from rope_ext.rotation import apply_rotary, cos_sin, prepared, rotate_prepared
 
 from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
@@ -120,17 +120,16 @@ class RotateInAttention(AttentionTransform):
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
-            length = groups[0][0]
+            length, layout = groups[0][0], self.rotary.geometry.layout
             kept = self.kept_keys(
                 module,
                 key,
-                ("scaled", length),
-                lambda start, stop: frame.rotation(length, True, first_key + start, first_key + stop, key.dtype),
+                (("scaled", length),),
+                lambda start, stop: self._frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
                 keep=self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
             )
-            q_cos, q_sin = frame.rotation(length, False, 0, q_len, query.dtype)
-            q_rotated = apply_rotary(query, q_cos, q_sin, self.rotary.geometry.layout)
-            return attend(module, q_rotated, kept, value, attention_mask, **kwargs)
+            q_rotated = rotate_prepared(query.unsqueeze(2), *self._frame_factors(length, False, 0, q_len, query.dtype), layout)
+            return attend(module, q_rotated[:, :, 0], kept[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len
         out = weights = None
         for index, (length, lo, hi, chosen) in enumerate(groups):
@@ -212,15 +211,27 @@ class RotateInAttention(AttentionTransform):
         scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
         return scale[:, None, :, None].to(dtype)
 
-    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, key=None) -> torch.Tensor:
-        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies. With a
-        `key` (which names the positions and frequencies: the same key, the same ones, in every
-        layer of the forward), the (cos, sin) are computed once per forward."""
-        if key is None:
-            cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
-        else:
-            cos, sin = self.per_forward(("cos_sin", key, x.dtype), lambda: cos_sin(inv_freq, scale, positions, x.dtype))
-        return apply_rotary(x, cos, sin, self.rotary.geometry.layout)
+    def rotate_to(self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S],
+        with the given frequencies: [B, H, P, S, D], one rotation for all P. `key` names the
+        positions and frequencies (the same key, the same ones, in every layer of the forward): their
+        (cos, sin), and the positions themselves, are computed once per forward."""
+        return rotate_prepared(
+            x.unsqueeze(2), *self._factors(("queries", key), positions, inv_freq, scale, x.dtype), self.rotary.geometry.layout
+        )
+
+    def _factors(self, key, positions: Callable, inv_freq, scale, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B or 1, 1, P, S, D] of each of `positions()`, prepared (rope_ext.rotation), once
+        per forward and `key`. Each position tensor's (cos, sin) are computed apart, as they would be
+        alone, so that their bits do not depend on what else is rotated with them."""
+
+        def compute():
+            pairs = [cos_sin(inv_freq, scale, at, dtype) for at in positions()]
+            return prepared(
+                torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.rotary.geometry.layout
+            )
+
+        return self.per_forward((key, dtype), compute)
 
     def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
@@ -260,52 +271,55 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def keys_at(
-        self, module, key: torch.Tensor, name, k_pos: torch.Tensor, to_positions: Callable, inv_freq, scale
-    ) -> torch.Tensor:
-        """`key` (the keys attention received) rotated to to_positions(k_pos) [B or 1, kv_len] with the
-        given frequencies: the position map `name`, kept between forwards (kept_keys). The map and
-        the frequencies must be the patch's for the cache's life, and each key's position follow
-        from its own position alone; the (cos, sin) of the keys a forward rotates are computed once
-        per forward."""
+    def keys_at(self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale) -> torch.Tensor:
+        """`key` (the keys attention received) rotated to each position map maps[m](k_pos) [B or 1,
+        kv_len], named names[m], with the given frequencies: [B, H, M, kv_len, D], kept between
+        forwards (kept_keys). The maps and the frequencies must be the patch's for the cache's life,
+        and each key's positions follow from its own position alone."""
 
         def rotation(start: int, stop: int):
-            return self.per_forward(
-                ("keys at", name, start, stop, key.dtype),
-                lambda: cos_sin(inv_freq, scale, to_positions(k_pos[:, start:stop]), key.dtype),
+            return self._factors(
+                ("keys", names, start, stop), lambda: [at(k_pos[:, start:stop]) for at in maps], inv_freq, scale, key.dtype
             )
 
-        return self.kept_keys(module, key, name, rotation)
+        return self.kept_keys(module, key, names, rotation)
 
-    def kept_keys(self, module, key: torch.Tensor, name, rotation: Callable, keep: bool = True) -> torch.Tensor:
-        """`key` (the keys attention received) rotated by `rotation(start, stop)`, the (cos, sin) of
-        keys start:stop under the position map `name` (RotatedKeys). Where `key` is a DynamicLayer's
-        whole cache in a forward without autograd, the keys before this forward come from the store
-        (self.rotated) where it holds them under `name`, the new ones are rotated here, and the
+    def kept_keys(self, module, key: torch.Tensor, names, rotation: Callable, keep: bool = True) -> torch.Tensor:
+        """`key` (the keys attention received, [B, H, kv_len, D]) rotated by `rotation(start, stop)`,
+        the prepared (cos, sin) [B or 1, 1, M, stop - start, D] of keys start:stop under the position
+        maps `names` (RotatedKeys): [B, H, M, kv_len, D]. Where `key` is a DynamicLayer's whole
+        cache in a forward without autograd, the keys before this forward come from the store
+        (self.rotated) where it holds them under `names`, the new ones are rotated here, and the
         store then holds them all if `keep` (the next forward needs them); otherwise every key is
         rotated here."""
         layout, kv_len = self.rotary.geometry.layout, key.shape[-2]
         index = self._stored_layer(module, key)
         if index is None:
-            return apply_rotary(key, *rotation(0, kv_len), layout)
+            return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), layout)
         entries = self.rotated.entries(self.rotary.pending_cache)
         held = kv_len - self.rotary.frame.q_pos.shape[-1]
-        shape = (*key.shape[:2], key.shape[-1])
-        entry = entries.get((index, name))
-        if entry is not None and entry[:2] == (held, shape) and entry[2].dtype == key.dtype and entry[2].device == key.device:
-            buffer = entry[2]
+        entry = entries.get((index, names))
+        if (
+            entry is not None
+            and entry[0] == held
+            and entry[1].shape[:3] == (*key.shape[:2], len(names))
+            and entry[1].shape[-1] == key.shape[-1]
+            and entry[1].dtype == key.dtype
+            and entry[1].device == key.device
+        ):
+            buffer = entry[1]
             if buffer.shape[-2] < kv_len:
-                buffer = self._grown(buffer, key, held)
-            buffer[:, :, held:kv_len] = apply_rotary(key[:, :, held:], *rotation(held, kv_len), layout)
+                buffer = self._grown(buffer, kv_len, held)
+            buffer[..., held:kv_len, :] = rotate_prepared(key[:, :, None, held:], *rotation(held, kv_len), layout)
         else:
             # no room yet: a map the next step does not use (a dynamic scaling that moves at every
             # step past the window) would make room a copy for nothing
-            buffer = apply_rotary(key, *rotation(0, kv_len), layout)
+            buffer = rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), layout)
         if keep:
-            entries[index, name] = (kv_len, shape, buffer, weakref.ref(key))
+            entries[index, names] = (kv_len, buffer, weakref.ref(key))
         else:
-            entries.pop((index, name), None)
-        return buffer[:, :, :kv_len]
+            entries.pop((index, names), None)
+        return buffer[..., :kv_len, :]
 
     def _stored_layer(self, module, key: torch.Tensor) -> int | None:
         """The index of the DynamicLayer whose whole cache `key` is, in a forward without autograd;
@@ -321,6 +335,17 @@ class RotateInAttention(AttentionTransform):
             return None
         return index
 
+    def _frame_factors(self, length: int, keys: bool, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frame's (cos, sin) for queries (or keys) start:stop under `length`'s scaling, prepared
+        (rope_ext.rotation) with one map: [B, 1, 1, stop - start, D], once per forward."""
+        return self.per_forward(
+            ("frame", length, keys, start, stop, dtype),
+            lambda: prepared(
+                *(t.unsqueeze(1) for t in self.rotary.frame.rotation(length, keys, start, stop, dtype)),
+                self.rotary.geometry.layout,
+            ),
+        )
+
     def _scaling_holds(self, frame) -> bool:
         """Whether the next token's scaling is this forward's (inside the window, or within a
         granularity step past it): only then are this forward's rotated keys of use to the next."""
@@ -330,12 +355,11 @@ class RotateInAttention(AttentionTransform):
         return bool((rotation.scaled_lengths(frame.q_pos[:, -1:] + 1) == frame.lengths[:, -1:]).all())
 
     @staticmethod
-    def _grown(buffer: torch.Tensor, key: torch.Tensor, held: int) -> torch.Tensor:
-        """Room for `key`'s keys and a quarter more (the next steps then write their keys in place,
+    def _grown(buffer: torch.Tensor, kv_len: int, held: int) -> torch.Tensor:
+        """Room for kv_len keys and a quarter more (the next steps then write their keys in place,
         not a copy of the whole cache), holding `buffer`'s first `held`."""
-        kv_len = key.shape[-2]
-        grown = key.new_empty((*key.shape[:2], kv_len + kv_len // 4 + 64, key.shape[-1]))
-        grown[:, :, :held] = buffer[:, :, :held]
+        grown = buffer.new_empty((*buffer.shape[:-2], kv_len + kv_len // 4 + 64, buffer.shape[-1]))
+        grown[..., :held, :] = buffer[..., :held, :]
         return grown
 
     def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):

@@ -160,22 +160,24 @@ class TwoPartAttention(RotateInAttention):
         inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
         # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
         extended, first = self.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
-        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale, key=("own",))
-        # every key rotated once, to its own position and to its distant one, kept between forwards
-        k_own = self.keys_at(module, key, "own", k_pos, lambda positions: positions, inv_freq, scale)
+        own, distant_keys = (lambda at: at), (lambda at: method.distant_key(at, params))
         if first is None:
+            q_own = self.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale)[:, :, 0]
+            k_own = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
-        q_at = self.per_forward(("distant query",), lambda: method.distant_query(frame.q_pos[:, first:], params))
-        q_group = self.rotate_to(query[:, :, first:], q_at, inv_freq, scale, key=("distant",))
-        k_group = (
-            k_own
-            if method.distant_keys_own
-            else self.keys_at(
-                module, key, "distant", k_pos, lambda positions: method.distant_key(positions, params), inv_freq, scale
-            )
+        # every query rotated to its own and its distant position, every key (kept between forwards)
+        # to its own and, where the method moves it, its distant one
+        queries = self.rotate_to(
+            query, "own, distant", lambda: (frame.q_pos, method.distant_query(frame.q_pos, params)), inv_freq, scale
         )
+        q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
+        if method.distant_keys_own:
+            k_own = k_group = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
+        else:
+            keys = self.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale)
+            k_own, k_group = keys[:, :, 0], keys[:, :, 1]
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
@@ -189,7 +191,9 @@ class TwoPartAttention(RotateInAttention):
         )
         if unmasked:
             outputs.append(
-                self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling)
+                self._unmasked_rows(
+                    q_own[:, :, first:] if first else q_own, k_own, q_group, k_group, value, offset + first, window, scaling
+                )
             )
         else:
             rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
@@ -210,7 +214,7 @@ class TwoPartAttention(RotateInAttention):
                         scaling,
                     ).transpose(1, 2)
                 )
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     @staticmethod
     def _switched(extended: torch.Tensor) -> tuple[torch.Tensor, int | None]:

@@ -133,23 +133,24 @@ class DualChunkAttention(RotateInAttention):
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.rotate_to(query[:, :, :exact], positions[:, :exact], inv_freq, scale, key=("own",))
+            q_own = self.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)[:, :, 0]
             if exact == q_len:  # every key below min(c, 2s): kept at its own position while the queries are
-                k_own = self.keys_at(module, key, "own", k_pos[:1], lambda at: at, inv_freq, scale)
+                k_own = self.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
             else:
-                k_own = self.rotate_to(
-                    key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale, key=("own", kv_len)
-                )
+                end = offset + exact
+                k_own = self.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
+                    :, :, 0
+                ]
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
             # every key at its place in its chunk, rotated once and kept between forwards
-            keys = self.keys_at(module, key, "in chunk", k_pos[:1], lambda at: at % span, inv_freq, scale)
+            keys = self.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
             for rows in chunks:
                 outputs.append(
                     self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, first, inv_freq, scale, scaling)
                 )
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     @staticmethod
     def _rows(positions: torch.Tensor, span: int, chunk: int) -> tuple[int, list]:
@@ -188,7 +189,8 @@ class DualChunkAttention(RotateInAttention):
         lo = rows.position - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
         # the rows of chunk n are the same in every layer of the forward: n names their positions
-        q_intra = self.rotate_to(query, rows.within, inv_freq, scale, key=("intra", n))
+        queries = self.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
+        q_intra, q_succ, q_inter = queries.unbind(2)
         if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
             parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
         else:
@@ -197,11 +199,9 @@ class DualChunkAttention(RotateInAttention):
                 out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
                 parts.append((out, lse, None))
         if start > previous:
-            q_succ = self.rotate_to(query, rows.successive, inv_freq, scale, key=("successive", n))
             out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
             parts.append((out, lse, None))
         if previous > 0:
-            q_inter = self.rotate_to(query, rows.inter, inv_freq, scale, key=("inter", n))
             out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
             parts.append((out, lse, None))
         return merge_by_lse(parts).transpose(1, 2)

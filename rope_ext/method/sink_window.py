@@ -160,7 +160,7 @@ class SinkWindowAttention(RotateInAttention):
         # the positions of the keys received: past the sinks, indices skip the keys let go
         k_pos = frame.k_pos[:1] if not let_go else torch.cat((frame.k_pos[:1, :sinks], frame.k_pos[:1, sinks + let_go :]), dim=-1)
         # every key rotated once to its own position, kept between forwards (a DynamicCache's)
-        k_all = self.keys_at(module, key, "own", k_pos, lambda at: at, inv_freq, scale)
+        k_all = self.keys_at(module, key, ("own",), k_pos, (lambda at: at,), inv_freq, scale)[:, :, 0]
         span = sinks + window
         offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
@@ -170,17 +170,19 @@ class SinkWindowAttention(RotateInAttention):
             outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            q_own = apply_rotary(query[:, :, exact:], *frame.rotation(trained, False, exact, q_len, query.dtype), layout)
+            # the rows past the span at their own positions, and at sinks + window - 1 for the sinks
+            queries = self.rotate_to(
+                query[:, :, exact:],
+                ("past the span", exact),
+                lambda: (frame.q_pos[:1, exact:], frame.q_pos.new_full((1, q_len - exact), span - 1)),
+                inv_freq,
+                scale,
+            )
+            q_own, q_sinks = queries[:, :, 0], queries[:, :, 1]
             lo_key = offset + exact - window + 1  # the first window key of row `exact`, past the sinks
             k_window, v_window = k_all[:, :, lo_key:], value[:, :, lo_key:]
             if sinks:
-                at_span = self.per_forward(("sinks' query",), lambda: frame.q_pos.new_full((1, q_len - exact), span - 1))
-                sink_out, sink_lse = attend_with_lse(
-                    self.rotate_to(query[:, :, exact:], at_span, inv_freq, scale, key=("sinks' query",)),
-                    k_all[:, :, :sinks],
-                    value[:, :, :sinks],
-                    scale=scaling,
-                )
+                sink_out, sink_lse = attend_with_lse(q_sinks, k_all[:, :, :sinks], value[:, :, :sinks], scale=scaling)
             batch, heads = query.shape[:2]
             block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
             for lo in range(0, q_len - exact, block):
@@ -202,7 +204,7 @@ class SinkWindowAttention(RotateInAttention):
                 if sinks:
                     parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
                 outputs.append(merge_by_lse(parts).transpose(1, 2))
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 @dataclass(frozen=True)
