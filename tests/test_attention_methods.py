@@ -403,3 +403,30 @@ def test_a_missing_factor_changes_nothing(method):
 def test_an_unknown_parameter_changes_nothing(method):
     # alibi_hybrid's, a parameter no attention-side method has (yarn_dca has yarn's beta_fast)
     assert_refused_unchanged(method, {"factor": 4, "slope_scale": 4}, r"unknown parameter\(s\) \['slope_scale'\]")
+
+
+@pytest.mark.parametrize("method, params", KEPT)
+def test_chunked_generate_with_beams_scores_what_one_forward_scores(tiny_model, heldout_ids, method, params):
+    """Beam search through rope_ext.chunked_generate (the patch's own cache, reordered between
+    steps): each returned sequence's score, its new tokens' summed log-probabilities (length
+    penalty 0), is what one forward over the whole sequence gives them."""
+    rope_ext.patch(tiny_model, method, **params)
+    prompt, new = heldout_ids[None, : TRAINED + 100], 6
+    with torch.no_grad():
+        out = rope_ext.chunked_generate(
+            tiny_model,
+            prompt,
+            chunk_size=64,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            num_beams=3,
+            num_return_sequences=2,
+            length_penalty=0.0,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        logprobs = torch.log_softmax(tiny_model(out.sequences).logits[:, -new - 1 : -1].float(), dim=-1)
+    scored = logprobs.gather(-1, out.sequences[:, -new:, None]).sum(dim=(1, 2))
+    torch.testing.assert_close(out.sequences_scores, scored, rtol=0, atol=1e-4)

@@ -25,8 +25,10 @@ queries past the trained window (docs/logn.md).
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
 without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
 a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
-A decode step is one backend call, each key rotated by its distance to the query. No [L, L] tensor
-is built.
+No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
+(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
+min(c, 2s), at their own positions instead): a decode step rotates only its query, at its three
+positions, and its new key, and attends the three parts in three calls.
 
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,

@@ -26,7 +26,9 @@ the same numbers.
 How it runs: queries below s + w attend through the model's own backend. The others attend the
 sinks in one call (query at s + w - 1) and their window in blocks of rows, each over the keys its
 rows can see with a band mask, merged by log-sum-exp (rope_ext.attention.merge_by_lse). No [S, S]
-tensor is built.
+tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
+(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys), so a decode step rotates only
+its query and its new key; a SinkWindowCache's, at most sinks + window, are rotated at each forward.
 """
 
 from __future__ import annotations

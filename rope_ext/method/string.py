@@ -26,7 +26,9 @@ by default.
 How it runs: the two-part engine of self_extend and rerope (rope_ext.method.attention_side), with
 the near window S and the distant positions above. Queries below S attend through the model's own
 backend at their own positions; a query's positions depend only on its own position, so one forward,
-chunked prefill and token-by-token decoding give the same numbers.
+chunked prefill and token-by-token decoding give the same numbers. Keys stay at their own positions
+in both parts: a DynamicCache's keys are kept rotated between forwards in one copy of the key cache
+(rope_ext.attention.rotate.RotatedKeys), and a decode step rotates only its query and its new key.
 """
 
 from __future__ import annotations
