@@ -196,7 +196,7 @@ class RotateInAttention(AttentionTransform):
         past the trained window L times log(p + 1) / log(L), Qwen's log-n scale, so that attention
         over more keys than L stays about as sharp as over L; the rest times exactly 1, so the rows
         inside the window keep their bits. The scale commutes with the rotation: applied first, it
-        reaches every way the query is attended afterwards (in parts, at distances)."""
+        reaches every way the query is attended afterwards (in parts, at other positions)."""
         if not self.rotary.params.get("logn"):
             return query
         scale = self.per_forward(("logn", query.dtype), lambda: self._logn_scale(query.dtype))
