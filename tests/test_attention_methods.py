@@ -3,8 +3,10 @@ inside attention), checked on the tiny trained model (window 128) for each row o
 
 - inside the trained window it is the unpatched model, bit for bit, on either backend;
 - one forward, chunked prefill and token-by-token decoding give the same logits;
-- a decode step past the window reaches the model's backend once per layer (where the method
-  attends to all its keys in one call);
+- a decode step past the window rotates only its query and its new key (the cached keys are kept
+  rotated, RotatedKeys) and attends its parts in calls without a mask, merged by log-sum-exp;
+- the kept rotated keys follow the cache: crops, copies of the cache and of the model, beam
+  reorders and repeats (and a store that did not follow them is caught);
 - it saves and reloads exactly, a plain reload is the unpatched model, and unpatch restores it;
 - what it cannot run on is refused: another backend (at patch time, and a switch to one later,
   which changes nothing), a static cache, a padded batch where it needs one unpadded sequence; so
@@ -16,6 +18,8 @@ and its parameter rules live in its own module (test_self_extend.py, test_dca.py
 
 from __future__ import annotations
 
+import copy
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -23,6 +27,8 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import rope_ext
+import rope_ext.rotation
+from rope_ext.attention.rotate import RotatedKeys
 
 from helpers import (
     WINDOW,
@@ -51,10 +57,11 @@ class Row:
     inside: list[dict]  # inside the trained window it is the unpatched model
     cached: list[dict]  # one forward == chunked prefill == decoding after a prefill
     decoded: list[dict]  # one forward == decoding every token from an empty cache (slow: marked integration)
-    decode_step: list[dict]  # a decode step past the window is one backend call per layer (where it is)
+    decode_step: list[dict]  # a decode step past the window rotates only its new keys, in `decode_parts` calls per layer
     saved: list[dict]  # save, reload and unpatch
     unpadded: bool  # it needs one unpadded sequence: padded batches are refused
     needs_factor: bool = True  # without a factor (or the parameters that imply one) it is refused
+    decode_parts: int = 2  # the attention calls of a decode step past the window, per layer
 
 
 METHODS = [
@@ -75,6 +82,7 @@ METHODS = [
         decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],  # s = 80: steps in chunk 4, keys in 0 .. 4
         saved=[{"factor": 4, "local_size": 8}, {"factor": 4, "logn": True}],
         unpadded=True,
+        decode_parts=3,  # its chunk, the chunk before, the earlier chunks
     ),
     Row(
         "yarn_dca",
@@ -84,6 +92,7 @@ METHODS = [
         decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],
         saved=[{"factor": 4, "local_size": 8, "beta_fast": 16.0}, {"factor": 2.5, "logn": True}],
         unpadded=True,
+        decode_parts=3,
     ),
     Row(
         "rerope",
@@ -99,7 +108,7 @@ METHODS = [
         inside=[{"factor": 4}],
         cached=[{"factor": 4}, {"factor": 4, "sinks": 2, "window": 50}],
         decoded=[{"factor": 4}, {"factor": 4, "sinks": 2, "window": 50}],
-        decode_step=[],  # a step attends to the sinks and to the window in two calls, merged by log-sum-exp
+        decode_step=[{"factor": 4}],  # the sinks and the window
         saved=[{"factor": 4, "sinks": 2, "window": 30}],
         unpadded=True,
     ),
@@ -194,10 +203,16 @@ def test_decoding_every_token_from_an_empty_cache_equals_one_forward(tiny_model,
 
 
 @pytest.mark.parametrize("method, params, attn", cases("decode_step", BACKENDS))
-def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model, heldout_ids, monkeypatch, method, params, attn):
+def test_a_decode_step_past_the_window_rotates_only_its_new_keys(tiny_model, heldout_ids, monkeypatch, method, params, attn):
+    """The cached keys stay rotated between steps: a step rotates its query (at each position the
+    method gives it) and its new key (at each of its positions), at most 4 rows per layer, not the
+    ~400 keys of the cache; and its parts are calls without a mask that give their log-sum-exp,
+    none through the backend."""
     tiny_model.set_attn_implementation(attn)
     info = rope_ext.patch(tiny_model, method, **params)
     ids = heldout_ids[None, : min(LENGTH, info.max_length)]  # at most the longest input the patch is meant for
+    parts = next(row.decode_parts for row in METHODS if row.name == method)
+    layers = tiny_model.config.num_hidden_layers
     counter = CountCalls()
     set_chain(tiny_model, [*tiny_model.model.layers[0].self_attn.rope_ext_attention.transforms, counter])
     lse = count_lse_calls(monkeypatch)
@@ -206,13 +221,121 @@ def test_a_decode_step_past_the_window_is_one_backend_call_per_layer(tiny_model,
         cache = DynamicCache(config=tiny_model.config)
         tiny_model(ids[:, :-5], cache=cache, use_cache=True)
         counter.calls = lse["calls"] = 0
+        rotated = count_rotated_rows(monkeypatch)
         steps = torch.cat(
             [tiny_model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(ids.shape[1] - 5, ids.shape[1])],
             dim=1,
         )
-    # each step: every key, near and distant, in one call of the model's backend
-    assert (counter.calls, lse["calls"]) == (5 * tiny_model.config.num_hidden_layers, 0)
+    assert (counter.calls, lse["calls"]) == (0, 5 * layers * parts)
+    assert 0 < rotated["rows"] <= 5 * layers * 4
     assert (steps - full[:, -5:]).abs().max() <= 1e-4
+
+
+def count_rotated_rows(monkeypatch) -> dict:
+    """Counts the rows (tokens) rope_ext's attention rotates, queries and keys, once for each position
+    a row is rotated to, in {"rows": n}."""
+    counted = {"rows": 0}
+    for function in (rope_ext.rotation.apply_rotary, rope_ext.rotation.rotate_prepared):
+
+        def counting(x, *args, original=function, **kwargs):
+            out = original(x, *args, **kwargs)
+            counted["rows"] += out.shape[-2] * (out.shape[-3] if original is rope_ext.rotation.rotate_prepared else 1)
+            return out
+
+        for name, module in list(sys.modules.items()):
+            if name.startswith("rope_ext") and getattr(module, function.__name__, None) is function:
+                monkeypatch.setattr(module, function.__name__, counting)
+    return counted
+
+
+# The kept rotated keys follow the cache.
+
+# every attention-side method, past the window (and string past its shift, dca past its second chunk)
+KEPT = [
+    ("self_extend", {"factor": 4}),
+    ("rerope", {"factor": 4}),
+    ("rerope", {"factor": 4, "leak": "auto"}),
+    ("string", {"factor": 4, "local": 16}),
+    ("dca", {"factor": 4}),
+    ("yarn_dca", {"factor": 4}),
+    ("sink_window", {"factor": 4, "sinks": 2, "window": 50}),
+]
+
+
+def decode_logits(model, cache, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True).logits[:, -1]
+
+
+def full_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits[:, -1]
+
+
+def assert_kept_keys_follow_the_cache(model, rows: torch.Tensor, end: int) -> None:
+    """Decoding two sequences (`rows`) up to `end` through a DynamicCache changed between steps
+    (a crop, a deepcopy of the cache, beams swapped, then repeated), and through a deepcopy of
+    the model while the original's store holds that cache's keys, each step
+    equals the full forward of what the cache holds. A step that served the rotated keys of the
+    cache as it was would not: the swap keeps the cache's length and shape."""
+    rotary = model.model.rotary_emb
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(rows[:, : end - 2], cache=cache, use_cache=True)
+    decode_logits(model, cache, rows[:, end - 2 : end - 1])
+    decode_logits(model, cache, rows[:, end - 1 : end])
+    cache.crop(-2)  # the last two keys go: the next step is position end - 2 again
+    step = decode_logits(model, cache, rows[:, end - 2 : end - 1])
+    torch.testing.assert_close(step, full_logits(model, rows[:, : end - 1]), rtol=0, atol=1e-4)
+
+    copied = copy.deepcopy(cache)
+    rotary.copy_positions(cache, copied, end - 1)
+    step = decode_logits(model, copied, rows[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, rows[:, :end]), rtol=0, atol=1e-4)
+
+    twin = copy.deepcopy(model)  # a copy of the model, its store empty, decodes on a cache of its own
+    twin_cache = DynamicCache(config=model.config)
+    decode_logits(twin, twin_cache, rows[:, : end - 1])
+    step = decode_logits(twin, twin_cache, rows[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, rows[:, :end]), rtol=0, atol=1e-4)
+
+    cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: row 0 now holds the second sequence
+    swapped = rows.flip(0)
+    step = decode_logits(model, cache, swapped[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, swapped[:, :end]), rtol=0, atol=1e-4)
+
+    cache.batch_repeat_interleave(2)
+    rotary.repeat_positions(cache, 2)
+    repeated = swapped.repeat_interleave(2, dim=0)
+    step = decode_logits(model, cache, repeated[:, end : end + 1])
+    torch.testing.assert_close(step, full_logits(model, repeated[:, : end + 1]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("end", [90, 300])  # inside the 128-token window, and past it
+@pytest.mark.parametrize("method, params", KEPT)
+def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, heldout_ids, method, params, end):
+    rope_ext.patch(tiny_model, method, **params)
+    assert_kept_keys_follow_the_cache(tiny_model, torch.stack((heldout_ids[:400], heldout_ids[500:900])), end)
+
+
+@pytest.mark.parametrize("method, params", [KEPT[0], KEPT[4], KEPT[6]])
+def test_a_store_that_does_not_follow_the_cache_is_caught(tiny_model, heldout_ids, monkeypatch, method, params):
+    """The test above fails on a store that keeps its rotated keys through a change of the cache."""
+    rope_ext.patch(tiny_model, method, **params)
+    monkeypatch.setattr(RotatedKeys, "check", lambda store, cache: None)
+    with pytest.raises(AssertionError):
+        assert_kept_keys_follow_the_cache(tiny_model, torch.stack((heldout_ids[:400], heldout_ids[500:900])), 300)
+
+
+@pytest.mark.parametrize("method, params", cases("inside"))
+def test_decoding_inside_the_window_is_the_unpatched_models_bit_for_bit(tiny_model, ids, method, params):
+    """A prefill and token-by-token steps inside the window: the kept rotated keys give the
+    unpatched model's decoding logits, bit for bit."""
+    with torch.no_grad():
+        plain = cached_logits(tiny_model, ids[:, :TRAINED], 1, prefill=TRAINED - 20)
+        rope_ext.patch(tiny_model, method, **params)
+        patched = cached_logits(tiny_model, ids[:, :TRAINED], 1, prefill=TRAINED - 20)
+    assert torch.equal(plain, patched)
 
 
 # Saving, reloading, unpatching.
@@ -293,3 +416,30 @@ def test_a_missing_factor_changes_nothing(method):
 def test_an_unknown_parameter_changes_nothing(method):
     # alibi_hybrid's, a parameter no attention-side method has (yarn_dca has yarn's beta_fast)
     assert_refused_unchanged(method, {"factor": 4, "slope_scale": 4}, r"unknown parameter\(s\) \['slope_scale'\]")
+
+
+@pytest.mark.parametrize("method, params", KEPT)
+def test_chunked_generate_with_beams_scores_what_one_forward_scores(tiny_model, heldout_ids, method, params):
+    """Beam search through rope_ext.chunked_generate (the patch's own cache, reordered between
+    steps): each returned sequence's score, its new tokens' summed log-probabilities (length
+    penalty 0), is what one forward over the whole sequence gives them."""
+    rope_ext.patch(tiny_model, method, **params)
+    prompt, new = heldout_ids[None, : TRAINED + 100], 6
+    with torch.no_grad():
+        out = rope_ext.chunked_generate(
+            tiny_model,
+            prompt,
+            chunk_size=64,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            num_beams=3,
+            num_return_sequences=2,
+            length_penalty=0.0,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        logprobs = torch.log_softmax(tiny_model(out.sequences).logits[:, -new - 1 : -1].float(), dim=-1)
+    scored = logprobs.gather(-1, out.sequences[:, -new:, None]).sum(dim=(1, 2))
+    torch.testing.assert_close(out.sequences_scores, scored, rtol=0, atol=1e-4)

@@ -117,13 +117,14 @@ class RotatedRows:
 
     def __init__(self, monkeypatch):
         self.rows = 0
-        original = rope_ext.attention.rotate.apply_rotary
+        for name in ("apply_rotary", "rotate_prepared"):
+            original = getattr(rope_ext.attention.rotate, name)
 
-        def counted(x, *args, **kwargs):
-            self.rows += x.shape[-2]
-            return original(x, *args, **kwargs)
+            def counted(x, *args, original=original, **kwargs):
+                self.rows += x.shape[-2]
+                return original(x, *args, **kwargs)
 
-        monkeypatch.setattr(rope_ext.attention.rotate, "apply_rotary", counted)
+            monkeypatch.setattr(rope_ext.attention.rotate, name, counted)
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
@@ -188,3 +189,22 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
         repeated = swapped.repeat_interleave(2, dim=0)
         step = decode_logits(tiny_model, cache, repeated[:, end : end + 1])
         torch.testing.assert_close(step, full_logits(tiny_model, repeated[:, : end + 1]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(32, 32), (32, 16), (64, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels", ["leading", "trailing"])
+def test_the_prepared_rotation_is_apply_rotary_bit_for_bit(layout, head_dim, rotary_dim, dtype, channels):
+    """rotate_prepared (what the kept keys and the queries of attention-side methods go through)
+    rounds as apply_rotary, full and partial rotary (the leading channels, or MLA's trailing ones),
+    in both layouts, at fractional positions."""
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 3, 7, head_dim, generator=generator) * 100).to(dtype)
+    positions = torch.arange(7)[None].expand(2, -1) * 37.3
+    cos, sin = rope_ext.rotation.cos_sin(torch.rand(rotary_dim // 2, generator=generator), 0.9, positions, dtype)
+    prepared = rope_ext.rotation.prepared(cos, sin, layout)
+    assert torch.equal(
+        rope_ext.rotation.rotate_prepared(x, *prepared, layout, channels),
+        rope_ext.rotation.apply_rotary(x, cos, sin, layout, channels),
+    )

@@ -34,7 +34,7 @@ def exact_rows(module, query, key, value, mask, attend: Callable, offset: int, r
     end = offset + rows
     if mask is not None:
         mask = mask[:, :, :rows, :end]
-    elif offset:  # sdpa's causal shortcut covers only a square block
+    elif offset and rows > 1:  # sdpa's causal shortcut covers only a square block; one row sees every key
         mask = causal_mask(offset, rows, end, query.dtype, query.device)
     out, _ = attend(module, query[:, :, :rows], key[:, :, :end], value[:, :, :end], mask, **kwargs)
     return out
@@ -59,6 +59,15 @@ def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tens
         elif width > size:
             scale = size**-0.5 if scale is None else scale
             query, key = (torch.nn.functional.pad(x, (0, width - size)) for x in (query, key))
+        batch, heads, rows, dim = query.shape
+        groups = heads // key.shape[1]
+        if rows == 1 and groups > 1 and not causal and (mask is None or mask.shape[1] == 1):
+            # one row of grouped heads (a decode step): the heads of each key head as rows of one
+            # call, so that its keys are read once, not once per head (transformers' pack_gqa)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query.reshape(batch, heads // groups, groups, dim), key, value, 0.0, False, attn_mask=mask, scale=scale
+            )
+            return out.reshape(batch, heads, 1, out.shape[-1])[..., :width], lse.reshape(batch, heads, 1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=mask, scale=scale
         )
@@ -102,7 +111,7 @@ def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     merged = weights[0] * parts[0][0]
     for weight, (out, _, _) in zip(weights[1:], parts[1:]):
         merged.addcmul_(weight, out)  # in place: a product and a sum per part would each be a new tensor
-    return merged.to(parts[0][0].dtype)
+    return merged if merged.dtype == parts[0][0].dtype else merged.to(parts[0][0].dtype)
 
 
 def window_parts(query, key, value, first: int, window: int, scale: float | None = None):

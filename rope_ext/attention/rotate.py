@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from rope_ext.rotation import apply_rotary, cos_sin
+from rope_ext.rotation import apply_rotary, cos_sin, prepared, rotate_prepared
 
 from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
@@ -19,15 +19,18 @@ from .parts import causal_mask, hides_keys
 
 class RotatedKeys:
     """Each KV cache's keys (by the cache object's identity, weakly, as rotary.KeyPositions) rotated
-    under one scaling, per layer, kept between the forwards of a decode: a step whose scaling has
-    not changed rotates only its new keys. It takes as much memory as the key cache again, and up
+    to one position map, per layer and map, kept between the forwards of a decode: a step rotates
+    only its new keys. A map is named by what fixes each key's angles for the cache's life (a
+    dynamic method's scaling; an attention-side method's own or grouped positions), so a name
+    never serves other angles. Each map kept takes as much memory as the key cache again, and up
     to a quarter more (room for the next steps' keys).
 
     A layer's rotated keys hold while the layer's key tensor is the one they were rotated from:
     transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
     batch_repeat_interleave, batch_select_indices), so a cache changed between forwards is rotated
-    again in full, never served stale. Other cache layers (which may write in place) are always
-    rotated in full. A copy of the store (deepcopy or pickle of the model) starts empty."""
+    again in full, never served stale, and a map a forward did not use is let go before the next.
+    Other cache layers (which may write in place) are always rotated in full. A copy of the store
+    (deepcopy or pickle of the model) starts empty."""
 
     def __init__(self):
         self._caches: list[tuple[weakref.ref, dict]] = []
@@ -35,25 +38,25 @@ class RotatedKeys:
     def __reduce__(self):
         return (RotatedKeys, ())
 
-    def layers(self, cache) -> dict:
-        """{layer index: (length, number of keys, (B, H, D), rotated keys in a buffer with room for
-        more, weak reference to the key tensor they came from)}."""
-        found = next((layers for ref, layers in self._caches if ref() is cache), None)
+    def entries(self, cache) -> dict:
+        """{(layer index, map name): (number of keys, (B, H, D), rotated keys in a buffer with room
+        for more, weak reference to the key tensor they came from)}."""
+        found = next((entries for ref, entries in self._caches if ref() is cache), None)
         if found is None:
             found = {}
-            self._caches = [(ref, layers) for ref, layers in self._caches if ref() is not None]
+            self._caches = [(ref, entries) for ref, entries in self._caches if ref() is not None]
             self._caches.append((weakref.ref(cache), found))
         return found
 
     def check(self, cache) -> None:
-        """Before a forward: let go of the layers of `cache` changed since they were rotated."""
+        """Before a forward: let go of the entries of `cache` whose layer changed since they were rotated."""
         cache_layers = getattr(cache, "layers", None)
         if cache_layers is None:
             return
-        layers = self.layers(cache)
-        for index in list(layers):
-            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not layers[index][-1]():
-                del layers[index]
+        entries = self.entries(cache)
+        for index, name in list(entries):
+            if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not entries[index, name][-1]():
+                del entries[index, name]
 
 
 class RotateInAttention(AttentionTransform):
@@ -117,21 +120,16 @@ class RotateInAttention(AttentionTransform):
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
         groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
         if len(groups) == 1:
-            kept = self._kept_keys(module, key, frame, groups[0][0], q_len)
-            return self._attend(
+            length, pairing = groups[0][0], self.rotary.geometry.pairing
+            kept = self.kept_keys(
                 module,
-                query,
                 key,
-                value,
-                attention_mask,
-                attend,
-                frame,
-                groups[0][0],
-                (0, q_len),
-                (first_key, written),
-                kwargs,
-                rotated_key=kept,
+                (("scaled", length),),
+                lambda start, stop: self._frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
+                keep=self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
             )
+            q_rotated = rotate_prepared(query.unsqueeze(2), *self._frame_factors(length, False, 0, q_len, query.dtype), *pairing)
+            return attend(module, q_rotated[:, :, 0], kept[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len
         out = weights = None
         for index, (length, lo, hi, chosen) in enumerate(groups):
@@ -198,7 +196,7 @@ class RotateInAttention(AttentionTransform):
         past the trained window L times log(p + 1) / log(L), Qwen's log-n scale, so that attention
         over more keys than L stays about as sharp as over L; the rest times exactly 1, so the rows
         inside the window keep their bits. The scale commutes with the rotation: applied first, it
-        reaches every way the query is attended afterwards (in parts, at distances)."""
+        reaches every way the query is attended afterwards (in parts, at other positions)."""
         if not self.rotary.params.get("logn"):
             return query
         scale = self.per_forward(("logn", query.dtype), lambda: self._logn_scale(query.dtype))
@@ -213,29 +211,27 @@ class RotateInAttention(AttentionTransform):
         scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
         return scale[:, None, :, None].to(dtype)
 
-    def rotate_to(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, key=None) -> torch.Tensor:
-        """x [B, H, S, D] rotated to `positions` [B or 1, S] with the given frequencies. With a
-        `key` (which names the positions and frequencies: the same key, the same ones, in every
-        layer of the forward), the (cos, sin) are computed once per forward."""
-        if key is None:
-            cos, sin = cos_sin(inv_freq, scale, positions, x.dtype)
-        else:
-            cos, sin = self.per_forward(("cos_sin", key, x.dtype), lambda: cos_sin(inv_freq, scale, positions, x.dtype))
-        return apply_rotary(x, cos, sin, *self.rotary.geometry.pairing)
+    def rotate_to(self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+        """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S],
+        with the given frequencies: [B, H, P, S, D], one rotation for all P. `key` names the
+        positions and frequencies (the same key, the same ones, in every layer of the forward): their
+        (cos, sin), and the positions themselves, are computed once per forward."""
+        return rotate_prepared(
+            x.unsqueeze(2), *self._factors(("queries", key), positions, inv_freq, scale, x.dtype), *self.rotary.geometry.pairing
+        )
 
-    def attend_at_distances(self, module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs):
-        """One query row in one backend call, each key at `distances` [B or 1, kv_len] from it (its
-        position minus the query's, in the position maps of the method). RoPE scores depend on
-        the distance only, <R(a)q, R(b)k> = <q, R(b - a)k>: the query is rotated at 0 and each key
-        at its distance, so keys that the method places at different query positions still go
-        through one call. `distances` and the frequencies must follow from the forward's positions
-        alone (the same in every layer that receives kv_len keys): their rotation is computed once
-        per forward."""
-        kv_len = key.shape[-2]
-        # rotated at 0, not left as is: the rotation carries the attention factor
-        q_zero = self.rotate_to(query, torch.zeros_like(distances[:, :1]), inv_freq, scale, key=("query at 0",))
-        k_distant = self.rotate_to(key, distances, inv_freq, scale, key=("distances", kv_len))
-        return attend(module, q_zero, k_distant, value, attention_mask, **kwargs)
+    def _factors(self, key, positions: Callable, inv_freq, scale, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B or 1, 1, P, S, D] of each of `positions()`, prepared (rope_ext.rotation), once
+        per forward and `key`. Each position tensor's (cos, sin) are computed apart, as they would be
+        alone, so that their bits do not depend on what else is rotated with them."""
+
+        def compute():
+            pairs = [cos_sin(inv_freq, scale, at, dtype) for at in positions()]
+            return prepared(
+                torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.rotary.geometry.layout
+            )
+
+        return self.per_forward((key, dtype), compute)
 
     def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
@@ -275,11 +271,59 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def _kept_keys(self, module, key, frame, length: int, q_len: int) -> torch.Tensor | None:
-        """`key` (a DynamicLayer's whole cache, without autograd) rotated under `length`'s scaling:
-        the keys before this forward from the store (self.rotated) where it holds them under that
-        scaling, the new ones rotated here; the store then holds them all. None where the store
-        does not apply (another cache layer, a forward that records gradients)."""
+    def keys_at(self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale) -> torch.Tensor:
+        """`key` (the keys attention received) rotated to each position map maps[m](k_pos) [B or 1,
+        kv_len], named names[m], with the given frequencies: [B, H, M, kv_len, D], kept between
+        forwards (kept_keys). The maps and the frequencies must be the patch's for the cache's life,
+        and each key's positions follow from its own position alone."""
+
+        def rotation(start: int, stop: int):
+            return self._factors(
+                ("keys", names, start, stop), lambda: [at(k_pos[:, start:stop]) for at in maps], inv_freq, scale, key.dtype
+            )
+
+        return self.kept_keys(module, key, names, rotation)
+
+    def kept_keys(self, module, key: torch.Tensor, names, rotation: Callable, keep: bool = True) -> torch.Tensor:
+        """`key` (the keys attention received, [B, H, kv_len, D]) rotated by `rotation(start, stop)`,
+        the prepared (cos, sin) [B or 1, 1, M, stop - start, D] of keys start:stop under the position
+        maps `names` (RotatedKeys): [B, H, M, kv_len, D]. Where `key` is a DynamicLayer's whole
+        cache in a forward without autograd, the keys before this forward come from the store
+        (self.rotated) where it holds them under `names`, the new ones are rotated here, and the
+        store then holds them all if `keep` (the next forward needs them); otherwise every key is
+        rotated here."""
+        pairing, kv_len = self.rotary.geometry.pairing, key.shape[-2]
+        index = self._stored_layer(module, key)
+        if index is None:
+            return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
+        entries = self.rotated.entries(self.rotary.pending_cache)
+        held = kv_len - self.rotary.frame.q_pos.shape[-1]
+        entry = entries.get((index, names))
+        if (
+            entry is not None
+            and entry[0] == held
+            and entry[1].shape[:3] == (*key.shape[:2], len(names))
+            and entry[1].shape[-1] == key.shape[-1]
+            and entry[1].dtype == key.dtype
+            and entry[1].device == key.device
+        ):
+            buffer = entry[1]
+            if buffer.shape[-2] < kv_len:
+                buffer = self._grown(buffer, kv_len, held)
+            buffer[..., held:kv_len, :] = rotate_prepared(key[:, :, None, held:], *rotation(held, kv_len), *pairing)
+        else:
+            # no room yet: a map the next step does not use (a dynamic scaling that moves at every
+            # step past the window) would make room a copy for nothing
+            buffer = rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
+        if keep:
+            entries[index, names] = (kv_len, buffer, weakref.ref(key))
+        else:
+            entries.pop((index, names), None)
+        return buffer[..., :kv_len, :]
+
+    def _stored_layer(self, module, key: torch.Tensor) -> int | None:
+        """The index of the DynamicLayer whose whole cache `key` is, in a forward without autograd;
+        None where the store does not apply."""
         # the remote-code ChatGLM rotary module tracks no pending cache: its keys are rotated in full
         cache, index = getattr(self.rotary, "pending_cache", None), getattr(module, "layer_idx", None)
         cache_layers = getattr(cache, "layers", None)
@@ -287,32 +331,20 @@ class RotateInAttention(AttentionTransform):
             return None
         if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
             return None
-        if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+        if self.rotary.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
-        if not self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)):
-            return None  # the next step rotates every key again: nothing to keep
-        layers, pairing = self.rotated.layers(cache), self.rotary.geometry.pairing
-        kv_len, held = key.shape[-2], key.shape[-2] - q_len
-        shape = (*key.shape[:2], key.shape[-1])
-        entry = layers.get(index)
-        if (
-            entry is not None
-            and entry[:3] == (length, held, shape)
-            and entry[3].dtype == key.dtype
-            and entry[3].device == key.device
-        ):
-            buffer = entry[3]
-            if buffer.shape[-2] < kv_len:
-                buffer = self._grown(buffer, key, held)
-            buffer[:, :, held:kv_len] = apply_rotary(
-                key[:, :, held:], *frame.rotation(length, True, held, kv_len, key.dtype), *pairing
-            )
-        else:
-            # no room yet: where the scaling moves at every step (past the window at granularity 1)
-            # the next step rotates every key again, and room would be a copy for nothing
-            buffer = apply_rotary(key, *frame.rotation(length, True, 0, kv_len, key.dtype), *pairing)
-        layers[index] = (length, kv_len, shape, buffer, weakref.ref(key))
-        return buffer[:, :, :kv_len]
+        return index
+
+    def _frame_factors(self, length: int, keys: bool, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frame's (cos, sin) for queries (or keys) start:stop under `length`'s scaling, prepared
+        (rope_ext.rotation) with one map: [B, 1, 1, stop - start, D], once per forward."""
+        return self.per_forward(
+            ("frame", length, keys, start, stop, dtype),
+            lambda: prepared(
+                *(t.unsqueeze(1) for t in self.rotary.frame.rotation(length, keys, start, stop, dtype)),
+                self.rotary.geometry.layout,
+            ),
+        )
 
     def _scaling_holds(self, frame) -> bool:
         """Whether the next token's scaling is this forward's (inside the window, or within a
@@ -323,23 +355,18 @@ class RotateInAttention(AttentionTransform):
         return bool((rotation.scaled_lengths(frame.q_pos[:, -1:] + 1) == frame.lengths[:, -1:]).all())
 
     @staticmethod
-    def _grown(buffer: torch.Tensor, key: torch.Tensor, held: int) -> torch.Tensor:
-        """Room for `key`'s keys and a quarter more (the next steps then write their keys in place,
+    def _grown(buffer: torch.Tensor, kv_len: int, held: int) -> torch.Tensor:
+        """Room for kv_len keys and a quarter more (the next steps then write their keys in place,
         not a copy of the whole cache), holding `buffer`'s first `held`."""
-        kv_len = key.shape[-2]
-        grown = key.new_empty((*key.shape[:2], kv_len + kv_len // 4 + 64, key.shape[-1]))
-        grown[:, :, :held] = buffer[:, :, :held]
+        grown = buffer.new_empty((*buffer.shape[:-2], kv_len + kv_len // 4 + 64, buffer.shape[-1]))
+        grown[..., :held, :] = buffer[..., :held, :]
         return grown
 
-    def _attend(
-        self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True, rotated_key=None
-    ):
+    def _attend(self, module, query, key, value, mask, attend, frame, length, q_span, k_span, kwargs, held=True):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
-        else computed here and let go. `rotated_key`: the keys already rotated (_kept_keys)."""
+        else computed here and let go."""
         pairing = self.rotary.geometry.pairing
         q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
-        if rotated_key is not None:
-            return attend(module, apply_rotary(query, q_cos, q_sin, *pairing), rotated_key, value, mask, **kwargs)
         if held:
             k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
         else:

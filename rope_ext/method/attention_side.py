@@ -166,22 +166,24 @@ class TwoPartAttention(RotateInAttention):
         inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
         # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
         extended, first = self.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
-        # One query row (a decode step) attends all its keys in one backend call, each key rotated
-        # by its distance to the query. Several rows would need a rotated copy of every key per
-        # row, so the rows of a prefill (also a short chunk of one) attend in the parts below.
-        if q_len == 1 and first is not None:
-            distances = self.per_forward(("distances", kv_len), lambda: self._distances(k_pos, extended))
-            return self.attend_at_distances(module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs)
-        q_own = self.rotate_to(query, frame.q_pos, inv_freq, scale, key=("own",))
-        k_own = self.rotate_to(key, k_pos, inv_freq, scale, key=("own", kv_len))
+        own, distant_keys = (lambda at: at), (lambda at: method.distant_key(at, params))
         if first is None:
+            q_own = self.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale)[:, :, 0]
+            k_own = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
-        q_group = self.rotate_to(
-            query[:, :, first:], method.distant_query(frame.q_pos[:, first:], params), inv_freq, scale, key=("distant",)
+        # every query rotated to its own and its distant position, every key (kept between forwards)
+        # to its own and, where the method moves it, its distant one
+        queries = self.rotate_to(
+            query, "own, distant", lambda: (frame.q_pos, method.distant_query(frame.q_pos, params)), inv_freq, scale
         )
-        k_group = self.rotate_to(key, method.distant_key(k_pos, params), inv_freq, scale, key=("distant", kv_len))
+        q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
+        if method.distant_keys_own:
+            k_own = k_group = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
+        else:
+            keys = self.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale)
+            k_own, k_group = keys[:, :, 0], keys[:, :, 1]
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
@@ -195,7 +197,9 @@ class TwoPartAttention(RotateInAttention):
         )
         if unmasked:
             outputs.append(
-                self._unmasked_rows(q_own[:, :, first:], k_own, q_group, k_group, value, offset + first, window, scaling)
+                self._unmasked_rows(
+                    q_own[:, :, first:] if first else q_own, k_own, q_group, k_group, value, offset + first, window, scaling
+                )
             )
         else:
             rows = max(1, SCORE_BYTES // (query.shape[0] * query.shape[1] * (kv_len + window) * 4))
@@ -216,34 +220,29 @@ class TwoPartAttention(RotateInAttention):
                         scaling,
                     ).transpose(1, 2)
                 )
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     @staticmethod
     def _switched(extended: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         rows = extended.any(0).nonzero()
         return extended, (int(rows[0]) if rows.numel() else None)
 
-    def _distances(self, k_pos: torch.Tensor, extended: torch.Tensor) -> torch.Tensor:
-        """[B, kv_len]: each key's distance from a single query row (attend_at_distances): its own
-        position minus the query's (neighbours, and every key of a row still inside the window),
-        or its grouped position minus the query's grouped one (keys at an index distance of the
-        window or more)."""
-        method, params = self.rotary.method, self.rotary.params
-        window = method.near_window(params)
-        q_pos = self.rotary.frame.q_pos  # [B, 1]
-        kv_len = k_pos.shape[-1]
-        distant = (kv_len - 1 - torch.arange(kv_len, device=k_pos.device)) >= window  # [kv_len], by index
-        grouped = method.distant_key(k_pos, params) - method.distant_query(q_pos, params)
-        return torch.where(extended & distant[None, :], grouped, k_pos - q_pos)
-
     @staticmethod
     def _unmasked_rows(q_own, k_own, q_group, k_group, value, first, window, scaling):
         """Query rows that are key indices first, first + 1, ... (first >= window), all past the
         trained window and with no mask to honour but the causal one, as [B, rows, H, D], in calls
         without a mask: the neighbours (rope_ext.attention.window_parts), and the distant keys
-        j <= q - window as the keys every row has, j < first - window, and a causal square after them."""
+        j <= q - window as the keys every row has, j < first - window, and a causal square after them.
+        A single row (a decode step) is one call for each part."""
         rows = q_own.shape[-2]
         far = first - window  # the last distant key of row r is far + r
+        if rows == 1:
+            near = slice(far + 1, first + 1)
+            parts = [
+                (*attend_with_lse(q_group, k_group[:, :, : far + 1], value[:, :, : far + 1], scale=scaling), None),
+                (*attend_with_lse(q_own, k_own[:, :, near], value[:, :, near], scale=scaling), None),
+            ]
+            return merge_by_lse(parts).transpose(1, 2)
         distant = []
         if far:
             distant.append(attend_with_lse(q_group, k_group[:, :, :far], value[:, :, :far], scale=scaling))
@@ -305,9 +304,12 @@ class TwoPartAttention(RotateInAttention):
 @dataclass(frozen=True)
 class TwoPartMethod(AttentionMethod):
     """The two-part engine's method: `near_window`, `distant_query` and `distant_key` (positions as
-    int or fp32 tensors; RoPE takes fractional positions as they are)."""
+    int or fp32 tensors; RoPE takes fractional positions as they are). The engine keeps the keys
+    rotated to their own positions and, unless `distant_keys_own` (distant keys at their own
+    positions too), to their distant ones: one or two copies of the key cache (RotatedKeys)."""
 
     transform: ClassVar[type] = TwoPartAttention
+    distant_keys_own: ClassVar[bool] = False
 
     def near_window(self, params: dict) -> int:
         """The index distance from which a key is attended at the distant positions."""

@@ -25,8 +25,10 @@ queries past the trained window (docs/logn.md).
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
 without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
 a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
-A decode step is one backend call, each key rotated by its distance to the query. No [L, L] tensor
-is built.
+No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
+(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
+min(c, 2s), at their own positions instead): a decode step rotates only its query, at its three
+positions, and its new key, and attends the three parts in three calls.
 
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
@@ -95,92 +97,116 @@ def stated_sizes(stated) -> dict:
     return sizes
 
 
+@dataclass(frozen=True)
+class ChunkRows:
+    """The query rows [lo, hi) of a forward that are in chunk n: the position of the first, and
+    their intra-, successive- and inter-chunk positions [1, rows]."""
+
+    n: int
+    lo: int
+    hi: int
+    position: int
+    within: torch.Tensor
+    successive: torch.Tensor
+    inter: torch.Tensor
+
+
 class DualChunkAttention(RotateInAttention):
     """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
     keeps). Queries below chunk_size attend through the backend with their own positions; the
     others attend their chunk, the chunk before and the earlier chunks as calls merged by
-    log-sum-exp, or, a single query, as one backend call. Positions must be those of one unpadded
-    sequence (the same in every row)."""
+    log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
+    are kept rotated to their place in their chunk (one copy of the key cache, RotatedKeys), and to
+    their own positions while every query is below min(c, 2s) (a second copy, of at most that
+    many keys, let go once the queries pass it)."""
 
     rotates = True
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         query, k_pos = self.received(query, key)
         rotary = self.rotary
-        frame = rotary.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        q_pos = frame.q_pos
         first = self.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)  # the method's: trained, or yarn_dca's
-        positions = q_pos[:1]  # [1, Sq]
-        # rows whose every key is in their chunk or the one before at its true distance (positions
-        # are consecutive, so these are the first rows)
-        exact = int((positions[0] < min(chunk, 2 * span)).sum())
-        # One query row (a decode step) attends all its keys in one backend call, each key rotated
-        # by its distance to the query. Several rows would need a rotated copy of every key per
-        # row, so the rows of a prefill (also a short chunk of one) attend in parts per chunk.
-        if q_len == 1 and not exact:
-            distances = self._distances(k_pos[:1], int(positions[0, 0]), span, chunk)
-            return self.attend_at_distances(module, query, key, value, attention_mask, attend, distances, inv_freq, scale, kwargs)
+        inv_freq, scale = rotary.frame.angles(rotary.geometry.original_window)  # the method's: trained, or yarn_dca's
+        positions = rotary.frame.q_pos[:1]  # [1, Sq]
+        exact, chunks = self.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.rotate_to(query[:, :, :exact], positions[:, :exact], inv_freq, scale, key=("own",))
-            k_own = self.rotate_to(key[:, :, : offset + exact], k_pos[:1, : offset + exact], inv_freq, scale, key=("own", kv_len))
+            q_own = self.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)[:, :, 0]
+            if exact == q_len:  # every key below min(c, 2s): kept at its own position while the queries are
+                k_own = self.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
+            else:
+                end = offset + exact
+                k_own = self.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
+                    :, :, 0
+                ]
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            # every key at its place in its chunk
-            keys = self.rotate_to(key, k_pos[:1] % span, inv_freq, scale, key=("in chunk", kv_len))
-            rows = positions[0, exact:]
-            chunks = torch.div(rows, span, rounding_mode="floor")
-            for n in torch.unique_consecutive(chunks).tolist():
-                sel = (chunks == n).nonzero()
-                lo, hi = exact + int(sel[0]), exact + int(sel[-1]) + 1
+            # every key at its place in its chunk, rotated once and kept between forwards
+            keys = self.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
+            for rows in chunks:
                 outputs.append(
-                    self._chunk_rows(
-                        query[:, :, lo:hi], keys, value, positions[:, lo:hi], first, n, span, chunk, inv_freq, scale, scaling
-                    ).transpose(1, 2)
+                    self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, first, inv_freq, scale, scaling)
                 )
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
     @staticmethod
-    def _distances(k_pos: torch.Tensor, position: int, span: int, chunk: int) -> torch.Tensor:
-        """[1, kv_len]: each key's distance from the single query at `position` (>= chunk_size;
-        attend_at_distances): its place in its chunk minus the query's intra-, successive- or
-        inter-chunk position."""
-        n, within = divmod(position, span)
-        key_chunk = torch.div(k_pos, span, rounding_mode="floor")
-        query_at = torch.where(key_chunk == n, within, torch.where(key_chunk == n - 1, min(within + span, chunk - 1), chunk - 1))
-        return k_pos % span - query_at
+    def _rows(positions: torch.Tensor, span: int, chunk: int) -> tuple[int, list]:
+        """(the number of rows whose every key is in their chunk or the one before at its true
+        distance: positions are consecutive, so the first rows; a ChunkRows for each chunk the
+        other rows are in). They follow from the positions alone: once per forward."""
+        exact = int((positions < min(chunk, 2 * span)).sum())
+        rows = positions[exact:]
+        chunks = torch.div(rows, span, rounding_mode="floor")
+        found = []
+        for n in torch.unique_consecutive(chunks).tolist():
+            sel = (chunks == n).nonzero()
+            lo, hi = int(sel[0]), int(sel[-1]) + 1
+            within = rows[None, lo:hi] % span
+            found.append(
+                ChunkRows(
+                    n,
+                    exact + lo,
+                    exact + hi,
+                    int(rows[lo]),
+                    within,
+                    torch.clamp(within + span, max=chunk - 1),
+                    torch.full_like(within, chunk - 1),
+                )
+            )
+        return exact, found
 
-    def _chunk_rows(self, query, keys, value, positions, first, n, span, chunk, inv_freq, scale, scaling):
-        """Rows of chunk n: [B, H, rows, D] from the intra-, successive- and inter-chunk parts, each
-        a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
+    def _chunk_rows(self, query, keys, value, rows: ChunkRows, first, inv_freq, scale, scaling):
+        """The rows of one chunk n: [B, rows, H, D] from the intra-, successive- and inter-chunk parts,
+        each a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
         keys] tensor). Key index k holds position first + k: keys before `first` (a forward whose
         positions do not start at 0, without the cache of the earlier ones) are not there to attend."""
+        n, span = rows.n, self.rotary.params["chunk_size"] - self.rotary.params["local_size"]
         start = max(0, n * span - first)  # key index where chunk n begins
         previous = max(0, (n - 1) * span - first)  # key index where chunk n - 1 begins
-        lo = int(positions[0, 0]) - first  # key index of the first row; row r is key lo + r
+        lo = rows.position - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
-        within = positions % span
         # the rows of chunk n are the same in every layer of the forward: n names their positions
-        q_intra = self.rotate_to(query, within, inv_freq, scale, key=("intra", n))
-        parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
-        if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
-            out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
-            parts.append((out, lse, None))
+        queries = self.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
+        q_intra, q_succ, q_inter = queries.unbind(2)
+        if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
+            parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
+        else:
+            parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
+            if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
+                out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
+                parts.append((out, lse, None))
         if start > previous:
-            q_succ = self.rotate_to(query, torch.clamp(within + span, max=chunk - 1), inv_freq, scale, key=("successive", n))
             out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
             parts.append((out, lse, None))
         if previous > 0:
-            q_inter = self.rotate_to(query, torch.full_like(positions, chunk - 1), inv_freq, scale, key=("inter", n))
             out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
             parts.append((out, lse, None))
-        return merge_by_lse(parts)
+        return merge_by_lse(parts).transpose(1, 2)
 
 
 @dataclass(frozen=True)

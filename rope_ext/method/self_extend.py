@@ -39,8 +39,11 @@ log-sum-exp into one softmax (rope_ext.attention.merge_by_lse), so each query at
 key once, as in plain attention. Where the model's mask is the causal one (one sequence, also in
 chunks) these calls take no mask: the distant keys as those all rows see plus a causal square, the
 neighbours in blocks of W rows (rope_ext.attention.window_parts). Otherwise (padding) queries go in
-blocks whose masks stay under SCORE_BYTES, each for only the keys it can see. A decode step is one
-backend call, each key rotated by its distance to the query. No [L, L] tensor is built.
+blocks whose masks stay under SCORE_BYTES, each for only the keys it can see. No [L, L] tensor is
+built. A DynamicCache's keys are rotated once, to their own and to their grouped positions, and
+kept rotated between forwards: two copies of the key cache (rope_ext.attention.rotate.RotatedKeys),
+so a decode step rotates only its query and its new key and attends in two calls, merged by
+log-sum-exp.
 """
 
 from __future__ import annotations

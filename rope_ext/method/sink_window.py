@@ -26,7 +26,9 @@ the same numbers.
 How it runs: queries below s + w attend through the model's own backend. The others attend the
 sinks in one call (query at s + w - 1) and their window in blocks of rows, each over the keys its
 rows can see with a band mask, merged by log-sum-exp (rope_ext.attention.merge_by_lse). No [S, S]
-tensor is built.
+tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
+(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys), so a decode step rotates only
+its query and its new key; a SinkWindowCache's, at most sinks + window, are rotated at each forward.
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ class SinkWindowAttention(RotateInAttention):
     """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
     keeps). The positions must be those of one unpadded sequence that starts at 0 (the same in
     every row). The keys it receives are key index = position, or, from a SinkWindowCache that let
-    keys go, the sinks followed by the newest keys."""
+    keys go, the sinks followed by the newest keys. A DynamicCache's keys are kept rotated to their
+    own positions (one copy of the key cache, RotatedKeys); a SinkWindowCache's (at most sinks +
+    window keys) are rotated at every forward."""
 
     rotates = True
 
@@ -154,32 +158,33 @@ class SinkWindowAttention(RotateInAttention):
                 "SinkWindowCache keeps (a sliding-window cache?); use a DynamicCache or rope_ext.chunked's cache"
             )
 
-        def true_positions(x, keys, start, stop):  # x[:, :, start:stop] at its own positions
-            shift = let_go if keys and start >= sinks else 0  # indices past the sinks skip the keys let go
-            cos, sin = frame.rotation(trained, keys, start + shift, stop + shift, x.dtype)
-            return apply_rotary(x[:, :, start:stop], cos, sin, *pairing)
-
+        inv_freq, scale = frame.angles(trained)
+        # the positions of the keys received: past the sinks, indices skip the keys let go
+        k_pos = frame.k_pos[:1] if not let_go else torch.cat((frame.k_pos[:1, :sinks], frame.k_pos[:1, sinks + let_go :]), dim=-1)
+        # every key rotated once to its own position, kept between forwards (a DynamicCache's)
+        k_all = self.keys_at(module, key, ("own",), k_pos, (lambda at: at,), inv_freq, scale)[:, :, 0]
         span = sinks + window
         offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
         outputs = []
         if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
-            q_own, k_own = true_positions(query, False, 0, exact), true_positions(key, True, 0, offset + exact)
-            outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
+            q_own = apply_rotary(query[:, :, :exact], *frame.rotation(trained, False, 0, exact, query.dtype), *pairing)
+            outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            q_own = true_positions(query, False, exact, q_len)
+            # the rows past the span at their own positions, and at sinks + window - 1 for the sinks
+            queries = self.rotate_to(
+                query[:, :, exact:],
+                ("past the span", exact),
+                lambda: (frame.q_pos[:1, exact:], frame.q_pos.new_full((1, q_len - exact), span - 1)),
+                inv_freq,
+                scale,
+            )
+            q_own, q_sinks = queries[:, :, 0], queries[:, :, 1]
             lo_key = offset + exact - window + 1  # the first window key of row `exact`, past the sinks
-            k_window, v_window = true_positions(key, True, lo_key, kv_len), value[:, :, lo_key:]
+            k_window, v_window = k_all[:, :, lo_key:], value[:, :, lo_key:]
             if sinks:
-                inv_freq, scale = frame.angles(trained)
-                at_span = frame.q_pos.new_full((1, q_len - exact), span - 1)
-                sink_out, sink_lse = attend_with_lse(
-                    self.rotate_to(query[:, :, exact:], at_span, inv_freq, scale, key=("sinks' query",)),
-                    true_positions(key, True, 0, sinks),
-                    value[:, :, :sinks],
-                    scale=scaling,
-                )
+                sink_out, sink_lse = attend_with_lse(q_sinks, k_all[:, :, :sinks], value[:, :, :sinks], scale=scaling)
             batch, heads = query.shape[:2]
             block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
             for lo in range(0, q_len - exact, block):
@@ -201,7 +206,7 @@ class SinkWindowAttention(RotateInAttention):
                 if sinks:
                     parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
                 outputs.append(merge_by_lse(parts).transpose(1, 2))
-        return torch.cat(outputs, dim=1), None
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ by default.
 How it runs: the two-part engine of self_extend and rerope (rope_ext.method.attention_side), with
 the near window S and the distant positions above. Queries below S attend through the model's own
 backend at their own positions; a query's positions depend only on its own position, so one forward,
-chunked prefill and token-by-token decoding give the same numbers.
+chunked prefill and token-by-token decoding give the same numbers. Keys stay at their own positions
+in both parts: a DynamicCache's keys are kept rotated between forwards in one copy of the key cache
+(rope_ext.attention.rotate.RotatedKeys), and a decode step rotates only its query and its new key.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class StringMethod(TwoPartMethod):
     A factor is optional: without one (or with 1) the patch is for the trained window itself."""
 
     sizes: ClassVar[dict] = {"shift": 1, "local": 0}
+    distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
 
     def accept_factor(self, factor) -> float:
         return 1.0 if factor == 1 and not isinstance(factor, bool) else check_factor(factor)
