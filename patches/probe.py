@@ -365,7 +365,7 @@ def probe(model: nn.Module) -> Structure:
             static_only += (
                 f"; in {len(unreproduced)} of its {sum(rope)} rotating layers (`{unreproduced[0]}`, ...) attention receives "
                 "queries and keys that rope-ext's rotation does not give bit for bit (the complex product rounds "
-                "otherwise; a norm after the rotation)"
+                "otherwise, or a norm follows the rotation)"
             )
     return Structure(
         rotary=rotary_name,
