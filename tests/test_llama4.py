@@ -1,7 +1,8 @@
 """Llama 4 (`llama4_text`): its rotary module returns complex `freqs_cis` (torch.polar of the
 angles, times the attention factor), which its attention multiplies with queries and keys viewed
 as complex pairs, in fp32. The probe proves the format (cos/sin format "complex"); the static
-frequency methods then patch it exactly, and the methods that rotate inside attention are refused
+frequency methods then patch it exactly (alibi_hybrid, which adds a bias inside attention, is
+taken too), and the methods that rotate inside attention are refused
 (reason `rotation`): the complex product rounds otherwise than rope-ext's rotation, and a norm
 follows the rotation (`use_qk_norm`).
 
@@ -171,3 +172,15 @@ def test_methods_rotating_inside_attention_are_refused(method, use_qk_norm):
     assert model.config.to_dict() == plain.config.to_dict()
     x = ids(WINDOW + 8)
     assert torch.equal(logits(model, x), logits(plain, x))
+
+
+def test_a_bf16_checkpoint_is_patched_as_transformers_reloads_it(tmp_path):
+    """In bf16 (as Llama 4 ships) the rotary module still answers complex64 from fp32 angles: the
+    yarn patch equals the saved checkpoint reloaded by transformers alone, bit for bit."""
+    tiny().save_pretrained(tmp_path / "plain")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.bfloat16).eval()
+    rope_ext.patch(model, "yarn", factor=4)
+    model.save_pretrained(tmp_path / "yarn")
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "yarn", dtype=torch.bfloat16).eval()
+    x = ids(WINDOW + 40)
+    assert torch.equal(logits(model, x), logits(native, x))
