@@ -24,6 +24,7 @@ from rope_ext.method.base import Method, ModelFacts, default_inv_freq
 from rope_ext.method.dca import CONFIG_KEY, stated_sizes
 from rope_ext.record import Patch, config_values, restore, rope_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
+from rope_ext.rotation import polar
 
 from .base import FamilyAdapter, unwrap
 from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe, rotary_call, typed
@@ -80,6 +81,8 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
             layer_type = args[0] if args else kwargs["layer_type"]
             if layer_type != self.structure.layer_type:
                 return self.kept(x, position_ids, layer_type)
+        if self.structure.cos_format == "complex":  # only static methods: install refuses the others
+            return polar(self.inv_freq, self.attention_scaling, position_ids)
         return formatted(*super().forward(x, position_ids), self.structure.cos_format)
 
 
@@ -266,6 +269,12 @@ class LlamaFamily(FamilyAdapter):
         (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
         so that a plain reload reproduces the patch where transformers can. Returns the native
         parameters."""
+        if rotary.dynamic and site.structure.static_only:
+            raise ValueError(
+                f"{rotary.method.name} rotates queries and keys inside attention, and {REASONS['rotation']}: "
+                f"{site.structure.static_only}; methods that change the rotary module's output (linear, ntk, yarn, "
+                "llama3, ...) apply"
+            )
         if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
             raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
         if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:

@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rope_ext.attention import backend
 from rope_ext.attention.parts import attend_with_lse_by_scores
-from rope_ext.rotation import apply_rotary, cos_sin
+from rope_ext.rotation import apply_rotary, cos_sin, polar
 
 PROBE_LENGTH = 8
 # fp32 gap between a backend's attention and rope-ext's on the same inputs (summation order)
@@ -101,7 +101,7 @@ class Structure:
     channels: str  # "leading" or "trailing" (multi-head latent attention): which rotary_dim channels rotate
     head_dim: int
     rotary_dim: int
-    cos_format: str  # "cat", "repeated" or "half"
+    cos_format: str  # "cat", "repeated", "half" or "complex"
     plain_attention: bool  # every attention call is causal softmax attention of its inputs (_plain)
     # Of a rotary module kept per layer type: the patched type, and each attention call's type
     # (None: no rotation); the calls of other types are left alone, as NoPE ones are.
@@ -109,6 +109,9 @@ class Structure:
     layer_types: tuple[str | None, ...] = ()
     # modules other than the rotary one whose output the rotation changes outside attention's inputs
     rotation_elsewhere: tuple[str, ...] = ()
+    # Why rope-ext's rotation inside attention cannot stand in for the model's, so that only methods
+    # that change the rotary module's output (rotation "static") apply; None when it can.
+    static_only: str | None = None
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -173,10 +176,15 @@ def cos_format(rotary: nn.Module, positions: torch.Tensor, layer_type: str | Non
         out = rotary_call(rotary, x, positions, layer_type)
     except Exception as err:  # any signature or shape rope-ext does not call the module with
         raise Refused("format", f"{type(rotary).__name__}(x, position_ids) raised {type(err).__name__}: {err}") from None
+    scale = attention_scaling(rotary, layer_type)
+    if torch.is_tensor(out) and out.is_complex():
+        if out.shape == (*positions.shape, inv_freq.numel()) and torch.equal(out, polar(inv_freq, scale, positions)):
+            return "complex"
+        raise Refused("format", f"{type(rotary).__name__}'s complex output of shape {tuple(out.shape)} is not e^(i angle)")
     if not (isinstance(out, tuple) and len(out) == 2 and all(torch.is_tensor(t) and not t.is_complex() for t in out)):
         kind = type(out).__name__ if not torch.is_tensor(out) else f"a {out.dtype} tensor"
         raise Refused("format", f"{type(rotary).__name__} returns {kind}, not a real (cos, sin) pair")
-    cos, sin = cos_sin(inv_freq, attention_scaling(rotary, layer_type), positions, out[0].dtype)
+    cos, sin = cos_sin(inv_freq, scale, positions, out[0].dtype)
     for name in ("cat", "repeated", "half"):
         mine = formatted(cos, sin, name)
         if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, mine)):
@@ -295,9 +303,12 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
 
         def identity(*args, **kwargs):
             capture.positions.append(kwargs.get("position_ids", args[1] if len(args) > 1 else None))
-            cos, sin = real(identity_of, *args, **kwargs)
+            out = real(identity_of, *args, **kwargs)
             if layer_type is not None and signature.bind(identity_of, *args, **kwargs).arguments.get("layer_type") != layer_type:
-                return cos, sin
+                return out
+            if torch.is_tensor(out):  # complex: e^(i 0) = 1
+                return torch.ones_like(out)
+            cos, sin = out
             return torch.ones_like(cos), torch.zeros_like(sin)
 
         identity_of.forward = identity
@@ -383,7 +394,7 @@ def probe(model: nn.Module) -> Structure:
     inv_freq = getattr(rotary, typed("inv_freq", patched))
     rotary_dim = 2 * inv_freq.numel()
     scale = attention_scaling(rotary, patched)
-    rope, layouts, head_dims, layer_types = [], set(), set(), []
+    rope, layouts, head_dims, layer_types, unreproduced = [], set(), set(), [], []
     for index, ((module, q, k), (_, q_id, k_id)) in enumerate(zip(real.calls, ident.calls)):
         cos, sin = cos_sin(inv_freq, scale, positions, q.dtype)
         found = {_rotation(q, q_id, cos, sin), _rotation(k, k_id, cos, sin)}
@@ -394,6 +405,12 @@ def probe(model: nn.Module) -> Structure:
                 raise Refused("rotation", f"`{names[id(module)]}` rotates with the frequencies of {rotated_by}")
             layer_types.append(rotated_by[0] if rotated_by else None)
             continue
+        if found_format == "complex" and not rotated_by:
+            # The model multiplies queries and keys, viewed as complex pairs of adjacent channels, by
+            # the module's output itself: a static patch reaches it through that output alone.
+            if found != {("interleaved", "leading")}:
+                unreproduced.append(names[id(module)])
+            found = {("interleaved", "leading")}
         if len(found) != 1 or False in found or None in found or rotated_by:
             raise Refused(
                 "rotation",
@@ -410,6 +427,18 @@ def probe(model: nn.Module) -> Structure:
     if len(layouts) > 1 or len(head_dims) > 1:
         raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
     layout, channels = layouts.pop()
+    static_only = None
+    if found_format == "complex":
+        static_only = (
+            f"`{rotary_name}` returns complex freqs_cis, which the model multiplies with its queries and keys itself, "
+            "in fp32 at any model dtype"
+        )
+        if unreproduced:
+            static_only += (
+                f"; in {len(unreproduced)} of its {sum(rope)} rotating layers (`{unreproduced[0]}`, ...) attention receives "
+                "queries and keys that rope-ext's rotation does not give bit for bit (the complex product rounds "
+                "otherwise, or a norm follows the rotation)"
+            )
     return Structure(
         rotary=rotary_name,
         attention=tuple(names[id(m)] for m in modules),
@@ -423,6 +452,7 @@ def probe(model: nn.Module) -> Structure:
         layer_type=patched,
         layer_types=tuple(layer_types) if types else (),
         rotation_elsewhere=elsewhere,
+        static_only=static_only,
     )
 
 

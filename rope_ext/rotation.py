@@ -23,6 +23,16 @@ def cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype
     return cos.to(dtype=dtype), sin.to(dtype=dtype)
 
 
+def polar(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> torch.Tensor:
+    """The rotation as complex numbers e^(i * angle) * scale, of shape [..., S, D / 2], for a model
+    that multiplies its queries and keys viewed as complex pairs (Llama 4's `freqs_cis`): built
+    with `torch.polar` from the fp32 angles, as such a model's rotary module builds it, since cos and
+    sin computed apart are not bit-equal to it."""
+    with torch.autocast(device_type=positions.device.type, enabled=False):
+        freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+        return torch.polar(torch.ones_like(freqs), freqs) * scale
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """x * cos + turn(x) * sin, where turn takes each rotated pair (a, b) to (-b, a).
 

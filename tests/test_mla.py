@@ -26,6 +26,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 import rope_ext
 from rope_ext.attention import base_name
 from rope_ext.patches.probe import REASONS, probe
+from test_census import check
 
 WINDOW = 32
 VOCAB = 128
@@ -279,13 +280,19 @@ def test_attention_side_methods_drop_the_checkpoints_softmax_scale(tmp_path):
     assert scalings(model) == before
 
 
-def test_deepseek_v2_complex_rotation_is_refused_with_its_reason():
-    """DeepSeek-V2's rotary module returns complex `freqs_cis`: refused at patch(), model unchanged."""
+def test_deepseek_v2_complex_rotation_takes_the_static_methods_only(tmp_path):
+    """DeepSeek-V2's rotary module returns complex `freqs_cis`, which the model multiplies with its
+    queries and keys itself (as Llama 4's, tests/test_llama4.py): the static methods patch it exactly
+    (the census's check), the methods rotating inside attention are refused, model unchanged."""
     model = mla("deepseek_v2")
+    refusals = {}
+    assert check(model, tmp_path, refusals) is None
     x = ids(WINDOW)
     before = logits(model, x)
-    for method in ("yarn", "self_extend"):
-        with pytest.raises(ValueError, match=REASONS["format"]):
+    for method in ("dynamic", "self_extend", "rerope"):
+        with pytest.raises(
+            ValueError, match=re.escape(f"{method} rotates queries and keys inside attention, and {REASONS['rotation']}")
+        ):
             rope_ext.patch(model, method, factor=4)
     assert not hasattr(model.config, "rope_ext")
     assert torch.equal(logits(model, x), before)
