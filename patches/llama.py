@@ -27,7 +27,7 @@ from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
 
 from .base import FamilyAdapter, unwrap
-from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe, rotary_call, typed
+from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe, rotary_call, sub_config, typed
 
 # transformers scaling types that record the pretraining window in rope_parameters
 WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
@@ -53,7 +53,10 @@ class RotarySite:
 
     @property
     def config(self):
-        return self.model.config
+        """The config the rotary module was built from: the model's, or a composite model's text
+        config, where the patch reads and writes rope_parameters and its record (a save writes it
+        inside the composite config.json, where transformers reloads it)."""
+        return sub_config(self.model.config, self.structure.config)
 
     @property
     def layer_type(self) -> str | None:

@@ -112,6 +112,9 @@ class Structure:
     # Why rope-ext's rotation inside attention cannot stand in for the model's, so that only methods
     # that change the rotary module's output (rotation "static") apply; None when it can.
     static_only: str | None = None
+    # The sub-config of model.config the rotary module was built from (a composite model's text
+    # config, "text_config"), which the patch reads and writes; "" for model.config itself.
+    config: str = ""
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -126,6 +129,21 @@ class Structure:
     def kept_types(self) -> tuple[str, ...]:
         """The layer types whose layers rotate with frequencies the patch keeps."""
         return tuple(sorted({t for t in self.layer_types if t is not None and t != self.layer_type}))
+
+
+def rotary_config(model: nn.Module, rotary: nn.Module) -> str:
+    """The name of the sub-config of `model.config` that `rotary` was built from (transformers'
+    rotary modules keep it as `config`), or "" for `model.config` itself or a module that keeps none."""
+    built_from = getattr(rotary, "config", None)
+    for name in getattr(model.config, "sub_configs", None) or {}:
+        if built_from is not None and getattr(model.config, name, None) is built_from:
+            return name
+    return ""
+
+
+def sub_config(config, name: str):
+    """`config`'s sub-config `name` (rotary_config), or `config` itself for ""."""
+    return getattr(config, name) if name else config
 
 
 def typed(name: str, layer_type: str | None) -> str:
@@ -312,7 +330,10 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
             return torch.ones_like(cos), torch.zeros_like(sin)
 
         identity_of.forward = identity
-    saved = config._attn_implementation
+    # Setting a composite config's backend sets its sub-configs' too, which may differ (a text config
+    # on sdpa beside an eager one): each gets its own back.
+    configs = [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {})]
+    saved = [(each, each._attn_implementation_internal) for each in configs if each is not None]
     config._attn_implementation = name
     try:
         with torch.no_grad():
@@ -322,7 +343,8 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
     except Exception as err:  # a model this short input does not run: nothing can be proven
         raise Refused("forward", f"{type(err).__name__}: {err}") from None
     finally:
-        config._attn_implementation = saved
+        for each, backend in saved:
+            each._attn_implementation_internal = backend
         if identity_of is not None:
             del identity_of.forward
 
@@ -343,12 +365,14 @@ def _rotation(real, identity, cos, sin):
 def probe(model: nn.Module) -> Structure:
     """The structure of `model` (a transformers PreTrainedModel, unwrapped), or Refused."""
     rotary_name, rotary, types = find_rotary(model)
-    parameters = getattr(model.config, "rope_parameters", None)
+    config_name = rotary_config(model, rotary)
+    rope_config = sub_config(model.config, config_name)
+    parameters = getattr(rope_config, "rope_parameters", None)
     entries = [parameters.get(t) if isinstance(parameters, dict) else None for t in types] if types else [parameters]
     if not all(isinstance(entry, dict) and "rope_theta" in entry for entry in entries):
-        raise Refused("config", f"{type(model.config).__name__}.rope_parameters is {parameters!r}")
-    if getattr(model.config, "is_heterogeneous", False):
-        raise Refused("per-layer-config", f"per-layer {', '.join(sorted(model.config.per_layer_attributes))}")
+        raise Refused("config", f"{type(rope_config).__name__}.rope_parameters is {parameters!r}")
+    if getattr(rope_config, "is_heterogeneous", False):
+        raise Refused("per-layer-config", f"per-layer {', '.join(sorted(rope_config.per_layer_attributes))}")
     patched = PATCHED_TYPE if types else None
     device = getattr(rotary, typed("inv_freq", patched)).device
     positions = torch.arange(PROBE_LENGTH, device=device)[None]
@@ -453,6 +477,7 @@ def probe(model: nn.Module) -> Structure:
         layer_types=tuple(layer_types) if types else (),
         rotation_elsewhere=elsewhere,
         static_only=static_only,
+        config=config_name,
     )
 
 

@@ -117,7 +117,7 @@ def patch(
         factor=applied.factor,
         params=applied.params,
         family=adapter.name,
-        model_type=config.model_type,
+        model_type=site.model.config.model_type,
         original_window=applied.original_window,
         max_length=applied.max_length,
         rotary_dim=geometry.rotary_dim,
@@ -136,7 +136,7 @@ def reapply(model: nn.Module, path=None) -> PatchInfo | None:
     when it records none), with the state the checkpoint folder `path` holds beyond the config
     (alibi_hybrid's trained slopes)."""
     source = None if path is None else f"{path}/config.json"
-    saved = record.read(model.config, source)
+    saved = record.read(record.holder(model.config), source)
     if saved is None:
         return None
     info = patch(model, saved.method, saved.factor, _saved=saved, **saved.params)

@@ -228,6 +228,16 @@ def erase(config) -> None:
     delattr(config, CONFIG_KEY)
 
 
+def holder(config):
+    """The config that holds a patch record: `config`, or the sub-config a patch of a composite
+    model wrote it in (its text config, the one the rotary module is built from); `config` when
+    none holds one."""
+    for name in getattr(config, "sub_configs", None) or {}:
+        if getattr(getattr(config, name, None), CONFIG_KEY, None):
+            return getattr(config, name)
+    return config
+
+
 def read(config, source: str | None = None) -> Patch | None:
     """The patch recorded in `config`, or None when there is none."""
     saved = getattr(config, CONFIG_KEY, None)

@@ -88,11 +88,18 @@ def unscaled(model):
     rotation every patch is defined on (rope_ext.patching: a patch replaces a checkpoint's scaling,
     relative to the window that scaling records). The other rope_parameters stay, since some models
     read them outside the rotary module (ministral3's llama_4_scaling_beta)."""
-    if model.config.rope_parameters.get("rope_type", "default") == "default":
+    text = rope_config(model.config)
+    if text.rope_parameters.get("rope_type", "default") == "default":
         return model
     config = copy.deepcopy(model.config)
-    config.rope_parameters = {**config.rope_parameters, "rope_type": "default"}
+    text = rope_config(config)
+    text.rope_parameters = {**text.rope_parameters, "rope_type": "default"}
     return twin_of(model, config)
+
+
+def rope_config(config):
+    """The config holding the rope_parameters: `config`, or a composite config's text config."""
+    return config if getattr(config, "rope_parameters", None) else config.get_text_config()
 
 
 def equal_models(a, b) -> bool:
@@ -114,7 +121,7 @@ def check(model, tmp_path, refusals: dict) -> str | None:
     info = rope_ext.patch(patched, "yarn", factor=4)
     if info.native is not None:
         config = copy.deepcopy(patched.config)
-        del config.rope_ext
+        del rope_config(config).rope_ext
         twin = twin_of(plain, config)
         if not torch.equal(logits(patched, past), logits(twin, past)):
             return f"yarn differs from the native twin by {(logits(patched, past) - logits(twin, past)).abs().max():.2e}"
