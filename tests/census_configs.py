@@ -98,6 +98,8 @@ GEMMA4_TEXT = {"vocab_size_per_layer_input": VOCAB}
 # sliding-window layers (their own MLA sizes sit in a per-layer config of the released shapes).
 DOTS3_TEXT = dict(MLA, head_dim=32, use_sliding_window=False)
 
+SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
+
 OVERRIDES: dict[str, dict] = {
     **{model_type: MLA for model_type in MLA_TYPES},
     # hybrids: a layer of each kind (see LINEAR)
@@ -156,6 +158,15 @@ OVERRIDES: dict[str, dict] = {
     # the SAM vision tower's neck channels, which the projector's convolutions widen (3.3M parameters)
     "got_ocr2": {"vision_config": {"output_channels": 16}},
     "moshi": {"ffn_dim": 128},  # its own name for the MLP width
+    # Their default layer pattern makes both of the census's 2 layers sliding ones (the full-attention
+    # layer comes sixth, or fourth), leaving no layer of the type a patch replaces: one of each.
+    "gemma3_text": {"layer_types": SLIDING_THEN_FULL},
+    "gemma3": {"text_config": {"layer_types": SLIDING_THEN_FULL}},
+    "olmo3": {"layer_types": SLIDING_THEN_FULL},
+    # Its partial rotary factor 0.334 rotates 64 of the released 192-wide heads' channels; of a
+    # 16-wide head it would be 5, an odd count transformers' exponents run over (which no rotary
+    # geometry states). A 24-wide head keeps the released share: 8 channels.
+    "mimo_v2_flash": {"head_dim": 24},
     # the audio encoder's convolution widths (1024 by default: 11M parameters)
     "phi4_multimodal": {
         "audio_config": {
