@@ -3,6 +3,7 @@ logits as a full forward over the same prefix (transformers issue #25104), assis
 tokens of greedy decoding, and a cache the patch did not write is refused."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -149,3 +150,21 @@ def test_patch_info_states_what_the_causal_schedule_costs(method):
     assert "granularity 8" in notes["schedule_cost"] and "R / 8 groups" in notes["schedule_cost"]
     assert "schedule_cost" not in rope_ext.patch(random_model(), method, factor=4, causal=False).notes
     assert "schedule_cost" not in rope_ext.patch(random_model(), "yarn", factor=4).notes
+
+
+def test_a_forward_in_many_groups_says_once_what_it_costs(tiny_model):
+    model = copy.deepcopy(tiny_model)
+    rope_ext.patch(model, "dynamic", factor=4)
+    x = random_ids(2 * tiny_model.config.max_position_embeddings)
+    with pytest.warns(UserWarning, match="dynamic: this forward attends its rows past the trained window in"), torch.no_grad():
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(x)  # once per patch
+    quick = copy.deepcopy(tiny_model)
+    rope_ext.patch(quick, "dynamic", factor=4, granularity=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            quick(x)

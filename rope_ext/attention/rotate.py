@@ -5,6 +5,7 @@ for this forward, before the backend sees them."""
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Callable
 
@@ -74,6 +75,8 @@ class RotateInAttention(AttentionTransform):
     (`per_forward`)."""
 
     HELD_GROUPS = 4
+    # a forward in more groups than this is told once what the schedule costs (PatchInfo.notes)
+    MANY_GROUPS = 64
 
     def __init__(self, rotary):
         self.rotary = rotary
@@ -118,7 +121,7 @@ class RotateInAttention(AttentionTransform):
         if written < kv_len:
             raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
         first_key = written - kv_len  # sliding-window caches return only the most recent keys
-        groups = self.per_forward(("groups", q_len), lambda: self._groups(frame.lengths))
+        groups = self.per_forward(("groups", q_len), lambda: self._counted(self._groups(frame.lengths)))
         if len(groups) == 1:
             length, pairing = groups[0][0], self.rotary.geometry.pairing
             kept = self.kept_keys(
@@ -166,6 +169,19 @@ class RotateInAttention(AttentionTransform):
                     rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
                     weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
         return out, weights
+
+    def _counted(self, groups: list) -> list:
+        if len(groups) > self.MANY_GROUPS and not getattr(self, "_warned", False):
+            self._warned = True
+            method = self.rotary.method.name
+            warnings.warn(
+                f"{method}: this forward attends its rows past the trained window in {len(groups)} groups (the causal "
+                "schedule: one per scaling, each against its whole key prefix), so it takes several times plain "
+                f"attention's time; patch with granularity=g to re-scale every g tokens ({len(groups)} / g groups, still "
+                "exact between one forward and decoding) or causal=False for transformers' one scaling per forward",
+                stacklevel=2,
+            )
+        return groups
 
     @staticmethod
     def _groups(lengths: torch.Tensor) -> list:
