@@ -16,7 +16,7 @@ Patched exactly means, on fp32 logits:
 
 The tiny configs are tests/census_configs.py. The census is built once per session and prints its
 counts; docs/families.md lists the refusals and the checks that do not apply to a type (a causal
-LM whose text config transformers' auto class does not reload, a model that returns no cache)."""
+a model that returns no cache)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 import rope_ext
@@ -128,15 +128,11 @@ def check(model, tmp_path, refusals: dict) -> str | None:
     decode = past[:, : WINDOW + 8], WINDOW - 4
     if (decode_gap(patched, *decode) or 0.0) > DECODE_TOLERANCE:
         return "yarn: decode differs from the full forward"
-    # rope_ext.from_pretrained loads through AutoModelForCausalLM, as transformers does: the text
-    # configs of emu3 and mllama, which their causal LMs run on, are not in its mapping, and neither
-    # transformers nor rope-ext reloads such a checkpoint
-    if type(patched.config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            patched.save_pretrained(tmp_path / "yarn")
-        if not torch.equal(logits(rope_ext.from_pretrained(tmp_path / "yarn").eval(), past), logits(patched, past)):
-            return "yarn: the reloaded checkpoint differs"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched.save_pretrained(tmp_path / "yarn")
+    if not torch.equal(logits(rope_ext.from_pretrained(tmp_path / "yarn").eval(), past), logits(patched, past)):
+        return "yarn: the reloaded checkpoint differs"
     rope_ext.unpatch(patched)
     if not torch.equal(logits(patched, inside), reference):
         return "yarn: unpatch is not exact"
