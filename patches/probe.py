@@ -56,7 +56,7 @@ PROBE_BACKEND = "eager"
 
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
-    "config": "the model's config holds no rope_parameters with a rope_theta (a composite model's text config)",
+    "config": "the config the rotary module was built from holds no rope_parameters with a rope_theta",
     "per-layer-config": "the config keeps attributes per layer (a heterogeneous config), which the patch does not write",
     "several-rotary": "several rotary embedding modules",
     "per-layer-type": f"rotary frequencies kept per layer type, without a set for {PATCHED_TYPE} layers alone",
