@@ -23,6 +23,8 @@ from test_census import DECODE_TOLERANCE, WINDOW, decode_gap, equal_models, ids,
 # Sliding layers that slide within the tests' lengths (their configs' windows are longer).
 SLIDING = 16
 BOTH = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=SLIDING)
+# Gemma 3's default pattern over 2 layers (the census gives it a full-attention one)
+TWO_SLIDING = ["sliding_attention", "sliding_attention"]
 # model type -> the overrides of the census shrink that give it full-attention layers with RoPE
 MODELS = {
     "gemma3_text": BOTH,
@@ -181,7 +183,7 @@ def test_methods_that_choose_keys_by_position_still_refuse_sliding_window_layers
     ("model_type", "overrides", "reason", "detail"),
     [
         # two sliding layers of Gemma 3's pattern: no full-attention frequencies to replace
-        ("gemma3_text", {}, "per-layer-type", "holds sliding_attention_inv_freq"),
+        ("gemma3_text", {"layer_types": TWO_SLIDING}, "per-layer-type", "holds sliding_attention_inv_freq"),
         ("dory", {}, "per-layer-type", "holds sliding_attention_inv_freq"),
         # full-attention layers without RoPE: the patch would change nothing
         ("beam", {}, "per-layer-type", "holds sliding_attention_inv_freq"),
@@ -190,7 +192,7 @@ def test_methods_that_choose_keys_by_position_still_refuse_sliding_window_layers
         ("granite_swa", {}, "several-rotary", "`model.rotary_embs.0`"),
         ("gemma4_unified_text", {}, "per-layer-config", "head_dim"),
         # int(16 * 0.334) = 5: exponents over an odd size, which no rotary geometry states
-        ("mimo_v2_flash", {}, "frequencies", "rotary dim 6"),
+        ("mimo_v2_flash", {"head_dim": 16}, "frequencies", "rotary dim 6"),
     ],
 )
 def test_what_cannot_be_patched_exactly_is_refused_with_a_listed_reason(model_type, overrides, reason, detail):
