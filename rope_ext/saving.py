@@ -35,8 +35,8 @@ from .record import Patch
 ADAPTER_CONFIG = "adapter_config.json"  # the name peft and transformers look for
 SEALED_ADAPTER_CONFIG = "rope_ext_adapter_config.json"  # the same file, out of their sight
 PLAIN_BASE = "base"  # the base as transformers alone loads it patched
-# from_pretrained's keyword arguments that say where a config is, which reading it alone needs
-HUB_KEYS = ("revision", "subfolder", "cache_dir", "token", "local_files_only")
+# from_pretrained's keyword arguments that reading the config alone needs
+CONFIG_KEYS = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "trust_remote_code")
 
 
 def from_pretrained(path, **kwargs) -> nn.Module:
@@ -52,20 +52,14 @@ def from_pretrained(path, **kwargs) -> nn.Module:
 
 
 def causal_lm_class(path, kwargs: dict):
-    """AutoModelForCausalLM, or for a config it maps to no causal LM the transformers class its
-    config.json names in `architectures`: the causal LMs of emu3 and mllama run on a text config
+    """AutoModelForCausalLM, or the transformers class config.json names in `architectures` where
+    the auto class maps the config to none: the causal LMs of emu3 and mllama run on a text config
     of their composite one, which no auto class maps, and save that config."""
-    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in HUB_KEYS if k in kwargs})
+    config = kwargs.get("config") or AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in CONFIG_KEYS if k in kwargs})
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return AutoModelForCausalLM
     named = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or ()]
-    found = next((cls for cls in named if cls is not None and cls.config_class is type(config)), None)
-    if found is None:
-        raise ValueError(
-            f"{path}: {type(config).__name__} maps to no transformers causal LM, and its architectures "
-            f"{getattr(config, 'architectures', None)} name no transformers class built on it"
-        )
-    return found
+    return next((cls for cls in named if getattr(cls, "config_class", None) is type(config)), AutoModelForCausalLM)
 
 
 def save_record(out_dir, base_model: str, model: nn.Module, extra: dict | None = None) -> Path:
