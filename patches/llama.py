@@ -119,10 +119,11 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
         torch.linspace(0, end - 1, PROBE_POSITIONS, device=device).round().long()
         for end in (min(max_length, rotary.geometry.original_window), max_length)
     ]
+    # M-RoPE: called as the model calls it, every axis at the token's position (text)
+    axes = rotary.structure.axes
+    calls = [p[None].expand(axes, 1, -1) if axes else p[None] for p in spans]
     try:
         twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
-        # M-RoPE: called as the model calls it, every axis at the token's position (text)
-        calls = [p[None].expand(axes, 1, -1) if (axes := rotary.structure.axes) else p[None] for p in spans]
         outputs = [tuple(rotary_call(module, x, positions, layer_type) for module in (twin, rotary)) for positions in calls]
     except Exception:  # a config the model's own class cannot read has no native form for it
         return False
