@@ -82,6 +82,36 @@ def test_frequency_methods_equal_transformers_mrope_twin_for_text(model_type, me
     assert decode_gap(model, past[:, : WINDOW + 8], WINDOW - 4) <= DECODE_TOLERANCE
 
 
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn", "self_extend", "rerope", "sink_window", "dca"])
+def test_methods_rotating_inside_attention_leave_the_first_window_exact(method):
+    """(string moves distances past its shift, inside the window, by design: not among them)"""
+    plain = build("qwen3_5_text", **SECTIONED)
+    model = copy.deepcopy(plain)
+    inside, past = ids(WINDOW), ids(WINDOW + 36, seed=1)
+
+    rope_ext.patch(model, method, factor=4)
+
+    assert torch.equal(logits(model, inside), logits(plain, inside))
+    with torch.no_grad():
+        assert torch.equal(model(inside, position_ids=axes(WINDOW)).logits, logits(plain, inside))
+    assert decode_gap(model, past[:, : WINDOW + 8], WINDOW - 4) <= DECODE_TOLERANCE
+    rope_ext.unpatch(model)
+    assert torch.equal(logits(model, inside), logits(plain, inside))
+
+
+def test_dynamic_equals_transformers_dynamic_mrope_past_the_window():
+    """Past the window, rope-ext's rotation inside attention gives the logits of transformers' own
+    dynamic NTK, which Qwen 3.5's M-RoPE module applies to every axis alike."""
+    plain = build("qwen3_5_text", **SECTIONED)
+    model = copy.deepcopy(plain)
+    past = ids(2 * WINDOW, seed=1)
+    info = rope_ext.patch(model, "dynamic", factor=4, causal=False)
+    config = copy.deepcopy(plain.config)
+    config.rope_parameters = {**config.rope_parameters, **info.native}
+    assert config.rope_parameters["rope_type"] == "dynamic"
+    assert torch.equal(logits(model, past), logits(twin_of(plain, config), past))
+
+
 @pytest.mark.parametrize("method", ["yarn", "dynamic", "self_extend"])
 def test_a_forward_with_differing_axes_is_refused_and_changes_nothing(method):
     model = build("qwen3_5_text", **SECTIONED)
