@@ -8,7 +8,9 @@ its source or its model type.
   layer type, the patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`),
   whose window a patch extends, and keeps the others;
 - the cos/sin format its attention expects: its output at probe positions compared with
-  rope-ext's (cat(freqs, freqs), repeated pairs, half width);
+  rope-ext's (cat(freqs, freqs), repeated pairs, half width); a module the model calls with a row
+  of positions per axis (M-RoPE: text, height, width) must give that output with every axis at
+  the tokens' positions, as a text forward calls it (`Structure.axes`);
 - which attention modules rotate, which channels, with which pairing: two short forwards, one as
   the model is, one with the rotary module answering an identity rotation. Each attention call's
   queries and keys are captured where they enter attention; a call whose identity-run queries and

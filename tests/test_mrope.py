@@ -84,7 +84,8 @@ def test_frequency_methods_equal_transformers_mrope_twin_for_text(model_type, me
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn", "self_extend", "rerope", "sink_window", "dca"])
 def test_methods_rotating_inside_attention_leave_the_first_window_exact(method):
-    """(string moves distances past its shift, inside the window, by design: not among them)"""
+    """Inside the window each rotates by the trained frequencies: the model's own logits, bit for bit
+    (string, which moves distances past a shift inside the window by design, is not among them)."""
     plain = build("qwen3_5_text", **SECTIONED)
     model = copy.deepcopy(plain)
     inside, past = ids(WINDOW), ids(WINDOW + 36, seed=1)
