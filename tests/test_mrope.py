@@ -154,6 +154,9 @@ def test_a_module_whose_equal_axes_are_not_rope_ext_rotation_is_refused():
 
     rotary.__class__ = Shifted
     plain = copy.deepcopy(model)
-    with pytest.raises(ValueError, match=REASONS["format"] + ".* axes at the tokens' positions is not RoPE"):
-        rope_ext.patch(model, "yarn", factor=4)
-    assert equal_models(model, plain)
+    before = logits(model, ids(WINDOW))
+    for method in ("yarn", "self_extend"):
+        with pytest.raises(ValueError, match=f"cannot patch .*{REASONS['format']}.* axes at the tokens' positions is not RoPE"):
+            rope_ext.patch(model, method, factor=4)
+        assert equal_models(model, plain)
+        assert torch.equal(logits(model, ids(WINDOW)), before)
