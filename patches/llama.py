@@ -77,13 +77,30 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
         self.kept = kept
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        positions = self.text_positions(position_ids) if self.structure.axes else position_ids
         if self.structure.layer_type is not None:
             layer_type = args[0] if args else kwargs["layer_type"]
             if layer_type != self.structure.layer_type:
                 return self.kept(x, position_ids, layer_type)
         if self.structure.cos_format == "complex":  # only static methods: install refuses the others
-            return polar(self.inv_freq, self.attention_scaling, position_ids)
-        return formatted(*super().forward(x, position_ids), self.structure.cos_format)
+            return polar(self.inv_freq, self.attention_scaling, positions)
+        return formatted(*super().forward(x, positions), self.structure.cos_format)
+
+    def text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Of M-RoPE's per-axis positions [axes, B, S], the one row of text, where every axis holds
+        the token's position (the probe proved the model's module is then RoPE); checked once per
+        forward, as the model calls its rotary module once. Positions that differ between the axes
+        (image or video tokens) rotate each axis's share of the frequencies by its own positions,
+        which the patch does not compute: refused before any layer runs."""
+        if position_ids.dim() < 3:
+            return position_ids
+        if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
+            raise ValueError(
+                f"rope_ext {self.method.name}: the positions of this forward differ between M-RoPE's "
+                f"{position_ids.shape[0]} axes (image or video tokens); the patch is exact for text only, where the "
+                "axes are equal. Run multimodal input on the unpatched model (rope_ext.unpatch)"
+            )
+        return position_ids[0]
 
 
 def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length: int) -> bool:
@@ -102,9 +119,12 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
         torch.linspace(0, end - 1, PROBE_POSITIONS, device=device).round().long()
         for end in (min(max_length, rotary.geometry.original_window), max_length)
     ]
+    # M-RoPE: called as the model calls it, every axis at the token's position (text)
+    axes = rotary.structure.axes
+    calls = [p[None].expand(axes, 1, -1) if axes else p[None] for p in spans]
     try:
         twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
-        outputs = [tuple(rotary_call(module, x, positions[None], layer_type) for module in (twin, rotary)) for positions in spans]
+        outputs = [tuple(rotary_call(module, x, positions, layer_type) for module in (twin, rotary)) for positions in calls]
     except Exception:  # a config the model's own class cannot read has no native form for it
         return False
     if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it

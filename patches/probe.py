@@ -8,7 +8,9 @@ its source or its model type.
   layer type, the patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`),
   whose window a patch extends, and keeps the others;
 - the cos/sin format its attention expects: its output at probe positions compared with
-  rope-ext's (cat(freqs, freqs), repeated pairs, half width);
+  rope-ext's (cat(freqs, freqs), repeated pairs, half width); a module the model calls with a row
+  of positions per axis (M-RoPE: text, height, width) must give that output with every axis at
+  the tokens' positions, as a text forward calls it (`Structure.axes`);
 - which attention modules rotate, which channels, with which pairing: two short forwards, one as
   the model is, one with the rotary module answering an identity rotation. Each attention call's
   queries and keys are captured where they enter attention; a call whose identity-run queries and
@@ -112,6 +114,9 @@ class Structure:
     # Why rope-ext's rotation inside attention cannot stand in for the model's, so that only methods
     # that change the rotary module's output (rotation "static") apply; None when it can.
     static_only: str | None = None
+    # M-RoPE (Qwen 3.5): the rows of positions per token the model calls the rotary module with
+    # (text, height, width); 0: one position per token
+    axes: int = 0
 
     @property
     def rope_attention(self) -> tuple[str, ...]:
@@ -192,6 +197,34 @@ def cos_format(rotary: nn.Module, positions: torch.Tensor, layer_type: str | Non
     raise Refused(
         "format", f"{type(rotary).__name__}'s (cos, sin) of shape {tuple(out[0].shape)} match no layout rope-ext computes"
     )
+
+
+def axis_count(rotary: nn.Module, calls: list, positions: torch.Tensor, found_format: str, layer_type: str | None) -> int:
+    """The rows of positions per token (M-RoPE's axes: text, height, width) of `calls`, the
+    per-axis positions the model called `rotary` with in a text forward at `positions`; 0 for none.
+    For text every axis holds the token's position, and M-RoPE is plain RoPE only where the module
+    then gives rope-ext's (cos, sin) at those positions in `found_format`, bit for bit: compared,
+    whatever split of the frequencies among the axes the module keeps."""
+    if not calls:
+        return 0
+    name = type(rotary).__name__
+    axes = calls[0].shape[0]
+    equal = positions.expand(axes, *positions.shape)
+    if not all(p.shape == equal.shape and torch.equal(p.to(equal.device), equal) for p in calls):
+        shapes = sorted({tuple(p.shape) for p in calls})
+        raise Refused("format", f"{name} is called with positions per axis {shapes} other than the tokens' own")
+    x = torch.zeros(1, device=positions.device, dtype=torch.float32)
+    try:
+        out = rotary_call(rotary, x, equal, layer_type)
+    except Exception as err:  # a module that takes per-axis positions in the model's own call only
+        raise Refused("format", f"{name}(x, per-axis positions) raised {type(err).__name__}: {err}") from None
+    if found_format == "complex" or not (isinstance(out, tuple) and len(out) == 2):
+        raise Refused("format", f"{name} is called with positions per axis and returns {type(out).__name__}")
+    scale = attention_scaling(rotary, layer_type)
+    cos, sin = cos_sin(getattr(rotary, typed("inv_freq", layer_type)), scale, positions, out[0].dtype)
+    if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, formatted(cos, sin, found_format))):
+        raise Refused("format", f"{name} with its {axes} axes at the tokens' positions is not RoPE at those positions")
+    return axes
 
 
 def attention_scaling(rotary: nn.Module, layer_type: str | None = None) -> float:
@@ -373,11 +406,8 @@ def probe(model: nn.Module) -> Structure:
                 raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
         finally:
             ident_outputs.remove()
-        # M-RoPE (Qwen3.5) passes a row of positions per axis (text, height, width); rope-ext's
-        # cos/sin follow one position per token, and its module would broadcast the axes into the heads.
-        axes = sorted({tuple(p.shape) for p in ident.positions if torch.is_tensor(p) and p.dim() > 2})
-        if axes:
-            raise Refused("format", f"{type(rotary).__name__} is called with positions per axis, of shape {axes[0]}")
+        per_axis = [p for p in ident.positions if torch.is_tensor(p) and p.dim() > 2]
+        axes = axis_count(rotary, per_axis, positions, found_format, patched)
         kept = {}  # the layer types the patch keeps: which calls each rotates
         for layer_type in types:
             if layer_type != patched:
@@ -453,6 +483,7 @@ def probe(model: nn.Module) -> Structure:
         layer_types=tuple(layer_types) if types else (),
         rotation_elsewhere=elsewhere,
         static_only=static_only,
+        axes=axes,
     )
 
 
