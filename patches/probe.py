@@ -4,9 +4,11 @@ its source or its model type.
 `probe(model)` proves, or refuses with the reason, each fact an adapter needs:
 
 - the rotary module: the one module holding an `inv_freq` buffer, or `{layer_type}_inv_freq`
-  buffers, one set per layer type (none or several modules are refused); of a module kept per
-  layer type, the patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`),
-  whose window a patch extends, and keeps the others;
+  buffers, one set per layer type (no module is refused); of a module kept per layer type, the
+  patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`), whose window a
+  patch extends, and keeps the others. Of several modules, each holding one set, one identity run
+  per module tells which layers each rotates: the patch replaces the one module of the
+  full-attention layers (or the only one in use) and keeps those of sliding-window layers;
 - the cos/sin format its attention expects: its output at probe positions compared with
   rope-ext's (cat(freqs, freqs), repeated pairs, half width);
 - which attention modules rotate, which channels, with which pairing: two short forwards, one as

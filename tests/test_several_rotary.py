@@ -124,3 +124,13 @@ def test_models_whose_modules_cannot_be_told_apart_are_refused_with_what_was_fou
         rope_ext.patch(model, "yarn", factor=4)
     assert found in str(refused.value)
     assert equal_models(model, plain)
+
+
+def test_a_layer_of_base_0_is_left_without_rotation():
+    """Granite-SWA's base 0 (NoPE): the layer no module rotates, beside a kept and a patched one."""
+    layer_types = ["sliding_attention", "full_attention", "full_attention"]
+    model = tiny("granite_swa", num_hidden_layers=3, layer_types=layer_types, layer_rope_theta=[1e4, 1e6, 0], sliding_window=16)
+    structure = probe(model)
+    assert structure.rope == (False, True, False)
+    assert structure.layer_types == ("sliding_attention", "full_attention", None)
+    assert structure.nope_attention == ("model.layers.0.self_attn", "model.layers.2.self_attn")
