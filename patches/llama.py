@@ -61,19 +61,27 @@ class RotarySite:
         return self.structure.layer_type
 
     def rope_entry(self, rope: dict) -> dict:
-        """The rope_parameters of the patched layers: `rope`, or its entry for the patched type."""
-        return rope if self.layer_type is None else rope[self.layer_type]
+        """The rope_parameters of the patched layers: `rope`, its entry for the patched type, or, of
+        one rotary module among several, `rope` with the base that module was built with."""
+        if self.layer_type is not None:
+            return rope[self.layer_type]
+        if self.structure.rope_theta is not None:
+            return {**rope, "rope_theta": self.structure.rope_theta}
+        return rope
 
 
 class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
     """The rope-ext rotary module in the cos/sin format the model's attention expects, with the
     structure the probe proved (a patched model is not probed again: its rotary module is ours).
     In place of a module kept per layer type, it answers the patched type and lets the model's own
-    module (`kept`) answer the others."""
+    module (`kept`) answer the others. It carries the config the replaced module was built from,
+    which a model may read (Granite-SWA keys each module's output by its config's base) and unpatch
+    rebuilds that module from."""
 
-    def __init__(self, *args, structure: Structure, kept: nn.Module | None = None):
+    def __init__(self, *args, structure: Structure, config, kept: nn.Module | None = None):
         super().__init__(*args)
         self.structure = structure
+        self.config = config
         self.kept = kept
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
@@ -265,13 +273,18 @@ class LlamaFamily(FamilyAdapter):
         else:
             kept = site.rotary if site.layer_type is not None else None
             device = getattr(site.rotary, typed("inv_freq", site.layer_type)).device
+        config = getattr(site.rotary, "config", site.config)
         return ProbedRotaryEmbedding(
-            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, kept=kept
+            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, config=config, kept=kept
         )
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
         """transformers `rope_parameters` that reproduce the patch on a plain reload (of the patched
-        layer type's entry, where they are nested by layer type), or None."""
+        layer type's entry, where they are nested by layer type), or None. Of several rotary modules
+        built from one `rope_parameters` (Granite-SWA), a scaling written there reaches the kept
+        ones too: no native form while the patch keeps one."""
+        if rotary.structure.kept_rotary:
+            return None
         rope = rotary.original["rope_parameters"]
         layer_type = rotary.structure.layer_type
         return rotary.method.native(
@@ -279,10 +292,20 @@ class LlamaFamily(FamilyAdapter):
         )
 
     def layer_types(self, site: RotarySite) -> dict | None:
-        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per layer type."""
-        if site.layer_type is None:
+        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per
+        layer type or of several rotary modules (with the modules: the one replaced, those kept,
+        those no layer uses)."""
+        structure = site.structure
+        if not structure.layer_types:
             return None
-        return {"patched": [site.layer_type], "kept": list(site.structure.kept_types)}
+        found = {"patched": list(structure.patched_types), "kept": list(structure.kept_types)}
+        if structure.kept_rotary or structure.unused_rotary:
+            found["rotary"] = {
+                "patched": [structure.rotary],
+                "kept": list(structure.kept_rotary),
+                "unused": list(structure.unused_rotary),
+            }
+        return found
 
     def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
@@ -330,7 +353,7 @@ class LlamaFamily(FamilyAdapter):
         restore(site.config, rotary.original)
         for module, scaling in softmax_scales(site, site.config.rope_parameters).items():
             module.scaling = scaling
-        restored = rotary.original_cls(site.config).to(rotary.inv_freq.device)
+        restored = rotary.original_cls(rotary.config).to(rotary.inv_freq.device)
         site.swap_rotary(restored)
 
     def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform], method: str) -> None:

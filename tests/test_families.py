@@ -54,7 +54,7 @@ def test_hybrid_stack_is_patched_without_attribute_error():
 @pytest.mark.parametrize(
     "model_type, reason",
     [
-        ("granite_swa", "several rotary embedding modules"),
+        ("moshi", "several rotary embedding modules"),  # one per layer, each rotating full attention
         ("gemma3_text", "rotary frequencies kept per layer type"),
         ("hunyuan_v1_dense", "a rotation rope-ext cannot reproduce"),  # a norm after RoPE
         ("nanochat", "a rotation rope-ext cannot reproduce"),  # another sign of rotate_half
