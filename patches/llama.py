@@ -64,29 +64,54 @@ class RotarySite:
         return self.structure.layer_type
 
     def rope_entry(self, rope: dict) -> dict:
-        """The rope_parameters of the patched layers: `rope`, or its entry for the patched type."""
-        return rope if self.layer_type is None else rope[self.layer_type]
+        """The rope_parameters of the patched layers: `rope`, its entry for the patched type, or, of
+        one rotary module among several, `rope` with the base that module was built with."""
+        if self.layer_type is not None:
+            return rope[self.layer_type]
+        if self.structure.rope_theta is not None:
+            return {**rope, "rope_theta": self.structure.rope_theta}
+        return rope
 
 
 class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
     """The rope-ext rotary module in the cos/sin format the model's attention expects, with the
     structure the probe proved (a patched model is not probed again: its rotary module is ours).
     In place of a module kept per layer type, it answers the patched type and lets the model's own
-    module (`kept`) answer the others."""
+    module (`kept`) answer the others. It carries the config the replaced module was built from,
+    which a model may read (Granite-SWA keys each module's output by its config's base) and unpatch
+    rebuilds that module from."""
 
-    def __init__(self, *args, structure: Structure, kept: nn.Module | None = None):
+    def __init__(self, *args, structure: Structure, config, kept: nn.Module | None = None):
         super().__init__(*args)
         self.structure = structure
+        self.config = config
         self.kept = kept
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
+        positions = self.text_positions(position_ids) if self.structure.axes else position_ids
         if self.structure.layer_type is not None:
             layer_type = args[0] if args else kwargs["layer_type"]
             if layer_type != self.structure.layer_type:
                 return self.kept(x, position_ids, layer_type)
         if self.structure.cos_format == "complex":  # only static methods: install refuses the others
-            return polar(self.inv_freq, self.attention_scaling, position_ids)
-        return formatted(*super().forward(x, position_ids), self.structure.cos_format)
+            return polar(self.inv_freq, self.attention_scaling, positions)
+        return formatted(*super().forward(x, positions), self.structure.cos_format)
+
+    def text_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Of M-RoPE's per-axis positions [axes, B, S], the one row of text, where every axis holds
+        the token's position (the probe proved the model's module is then RoPE); checked once per
+        forward, as the model calls its rotary module once. Positions that differ between the axes
+        (image or video tokens) rotate each axis's share of the frequencies by its own positions,
+        which the patch does not compute: refused before any layer runs."""
+        if position_ids.dim() < 3:
+            return position_ids
+        if not torch.equal(position_ids, position_ids[:1].expand_as(position_ids)):
+            raise ValueError(
+                f"rope_ext {self.method.name}: the positions of this forward differ between M-RoPE's "
+                f"{position_ids.shape[0]} axes (image or video tokens); the patch is exact for text only, where the "
+                "axes are equal. Run multimodal input on the unpatched model (rope_ext.unpatch)"
+            )
+        return position_ids[0]
 
 
 def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length: int) -> bool:
@@ -105,9 +130,12 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
         torch.linspace(0, end - 1, PROBE_POSITIONS, device=device).round().long()
         for end in (min(max_length, rotary.geometry.original_window), max_length)
     ]
+    # M-RoPE: called as the model calls it, every axis at the token's position (text)
+    axes = rotary.structure.axes
+    calls = [p[None].expand(axes, 1, -1) if axes else p[None] for p in spans]
     try:
         twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
-        outputs = [tuple(rotary_call(module, x, positions[None], layer_type) for module in (twin, rotary)) for positions in spans]
+        outputs = [tuple(rotary_call(module, x, positions, layer_type) for module in (twin, rotary)) for positions in calls]
     except Exception:  # a config the model's own class cannot read has no native form for it
         return False
     if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it
@@ -248,13 +276,18 @@ class LlamaFamily(FamilyAdapter):
         else:
             kept = site.rotary if site.layer_type is not None else None
             device = getattr(site.rotary, typed("inv_freq", site.layer_type)).device
+        config = getattr(site.rotary, "config", site.config)
         return ProbedRotaryEmbedding(
-            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, kept=kept
+            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, config=config, kept=kept
         )
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
         """transformers `rope_parameters` that reproduce the patch on a plain reload (of the patched
-        layer type's entry, where they are nested by layer type), or None."""
+        layer type's entry, where they are nested by layer type), or None. Of several rotary modules
+        built from one `rope_parameters` (Granite-SWA), a scaling written there reaches the kept
+        ones too: no native form while the patch keeps one."""
+        if rotary.structure.kept_rotary:
+            return None
         rope = rotary.original["rope_parameters"]
         layer_type = rotary.structure.layer_type
         return rotary.method.native(
@@ -262,10 +295,20 @@ class LlamaFamily(FamilyAdapter):
         )
 
     def layer_types(self, site: RotarySite) -> dict | None:
-        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per layer type."""
-        if site.layer_type is None:
+        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per
+        layer type or of several rotary modules (with the modules: the one replaced, those kept,
+        those no layer uses)."""
+        structure = site.structure
+        if not structure.layer_types:
             return None
-        return {"patched": [site.layer_type], "kept": list(site.structure.kept_types)}
+        found = {"patched": list(structure.patched_types), "kept": list(structure.kept_types)}
+        if structure.kept_rotary or structure.unused_rotary:
+            found["rotary"] = {
+                "patched": [structure.rotary],
+                "kept": list(structure.kept_rotary),
+                "unused": list(structure.unused_rotary),
+            }
+        return found
 
     def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
@@ -313,7 +356,7 @@ class LlamaFamily(FamilyAdapter):
         restore(site.config, rotary.original)
         for module, scaling in softmax_scales(site, site.config.rope_parameters).items():
             module.scaling = scaling
-        restored = rotary.original_cls(site.config).to(rotary.inv_freq.device)
+        restored = rotary.original_cls(rotary.config).to(rotary.inv_freq.device)
         site.swap_rotary(restored)
 
     def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform], method: str) -> None:

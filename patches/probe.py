@@ -4,11 +4,15 @@ its source or its model type.
 `probe(model)` proves, or refuses with the reason, each fact an adapter needs:
 
 - the rotary module: the one module holding an `inv_freq` buffer, or `{layer_type}_inv_freq`
-  buffers, one set per layer type (none or several modules are refused); of a module kept per
-  layer type, the patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`),
-  whose window a patch extends, and keeps the others;
+  buffers, one set per layer type (no module is refused); of a module kept per layer type, the
+  patch replaces the frequencies of the full-attention layers (`PATCHED_TYPE`), whose window a
+  patch extends, and keeps the others. Of several modules, each holding one set, one identity run
+  per module tells which layers each rotates: the patch replaces the one module of the
+  full-attention layers (or the only one in use) and keeps those of sliding-window layers;
 - the cos/sin format its attention expects: its output at probe positions compared with
-  rope-ext's (cat(freqs, freqs), repeated pairs, half width);
+  rope-ext's (cat(freqs, freqs), repeated pairs, half width); a module the model calls with a row
+  of positions per axis (M-RoPE: text, height, width) must give that output with every axis at
+  the tokens' positions, as a text forward calls it (`Structure.axes`);
 - which attention modules rotate, which channels, with which pairing: two short forwards, one as
   the model is, one with the rotary module answering an identity rotation. Each attention call's
   queries and keys are captured where they enter attention; a call whose identity-run queries and
@@ -107,11 +111,20 @@ class Structure:
     # (None: no rotation); the calls of other types are left alone, as NoPE ones are.
     layer_type: str | None = None
     layer_types: tuple[str | None, ...] = ()
+    # Of several rotary modules, each with one set of frequencies: the ones whose layers (of a
+    # type other than PATCHED_TYPE) the patch keeps, the ones no attention layer uses, and the base
+    # of the patched one, which its own config holds (Granite-SWA: one module per base).
+    kept_rotary: tuple[str, ...] = ()
+    unused_rotary: tuple[str, ...] = ()
+    rope_theta: float | None = None
     # modules other than the rotary one whose output the rotation changes outside attention's inputs
     rotation_elsewhere: tuple[str, ...] = ()
     # Why rope-ext's rotation inside attention cannot stand in for the model's, so that only methods
     # that change the rotary module's output (rotation "static") apply; None when it can.
     static_only: str | None = None
+    # M-RoPE (Qwen 3.5): the rows of positions per token the model calls the rotary module with
+    # (text, height, width); 0: one position per token
+    axes: int = 0
     # The sub-config of model.config the rotary module was built from (a composite model's text
     # config, "text_config"), which the patch reads and writes; "" for model.config itself.
     config: str = ""
@@ -128,7 +141,12 @@ class Structure:
     @property
     def kept_types(self) -> tuple[str, ...]:
         """The layer types whose layers rotate with frequencies the patch keeps."""
-        return tuple(sorted({t for t in self.layer_types if t is not None and t != self.layer_type}))
+        return tuple(sorted({t for t, rotates in zip(self.layer_types, self.rope) if t is not None and not rotates}))
+
+    @property
+    def patched_types(self) -> tuple[str, ...]:
+        """The layer types whose layers rotate with the frequencies the patch replaces."""
+        return tuple(sorted({t for t, rotates in zip(self.layer_types, self.rope) if t is not None and rotates}))
 
 
 def rotary_config(model: nn.Module, rotary: nn.Module) -> str:
@@ -167,9 +185,9 @@ def formatted(cos: torch.Tensor, sin: torch.Tensor, cos_format: str) -> tuple[to
     return cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
 
 
-def find_rotary(model: nn.Module) -> tuple[str, nn.Module, tuple[str, ...]]:
-    """The rotary module's name, the module and the layer types it keeps frequencies for (none
-    for a module with one set)."""
+def find_rotary(model: nn.Module) -> list[tuple[str, nn.Module, tuple[str, ...]]]:
+    """The rotary modules: each one's name, the module and the layer types it keeps frequencies
+    for (none for a module with one set). Several are taken only if each holds one set."""
     found = {}
     for name, module in model.named_modules():
         buffers = [b for b, _ in module.named_buffers(recurse=False) if b.endswith("inv_freq")]
@@ -178,13 +196,19 @@ def find_rotary(model: nn.Module) -> tuple[str, nn.Module, tuple[str, ...]]:
     if not found:
         raise Refused("no-rotary", type(model).__name__)
     if len(found) > 1:
-        raise Refused("several-rotary", ", ".join(f"`{name}`" for name, _, _ in found.values()))
+        typed_sets = [
+            f"`{name}` holds {', '.join(b)}" for name, _, b in found.values() if set(b) - {"inv_freq", "original_inv_freq"}
+        ]
+        if typed_sets:
+            names = ", ".join(f"`{name}`" for name, _, _ in found.values())
+            raise Refused("several-rotary", f"{names}; not one set of frequencies each: {'; '.join(typed_sets)}")
+        return [(name, module, ()) for name, module, _ in found.values()]
     name, module, buffers = next(iter(found.values()))
     per_type = [b for b in buffers if b not in ("inv_freq", "original_inv_freq")]
     types = tuple(sorted({b.removesuffix("_inv_freq").removesuffix("_original") for b in per_type}))
     if per_type and (len(per_type) < len(buffers) or PATCHED_TYPE not in types):
         raise Refused("per-layer-type", f"`{name}` holds {', '.join(buffers)}")
-    return name, module, types
+    return [(name, module, types)]
 
 
 def cos_format(rotary: nn.Module, positions: torch.Tensor, layer_type: str | None = None) -> str:
@@ -210,6 +234,34 @@ def cos_format(rotary: nn.Module, positions: torch.Tensor, layer_type: str | Non
     raise Refused(
         "format", f"{type(rotary).__name__}'s (cos, sin) of shape {tuple(out[0].shape)} match no layout rope-ext computes"
     )
+
+
+def axis_count(rotary: nn.Module, calls: list, positions: torch.Tensor, found_format: str, layer_type: str | None) -> int:
+    """The rows of positions per token (M-RoPE's axes: text, height, width) of `calls`, the
+    per-axis positions the model called `rotary` with in a text forward at `positions`; 0 for none.
+    For text every axis holds the token's position, and M-RoPE is plain RoPE only where the module
+    then gives rope-ext's (cos, sin) at those positions in `found_format`, bit for bit: compared,
+    whatever split of the frequencies among the axes the module keeps."""
+    if not calls:
+        return 0
+    name = type(rotary).__name__
+    axes = calls[0].shape[0]
+    equal = positions.expand(axes, *positions.shape)
+    if not all(p.shape == equal.shape and torch.equal(p.to(equal.device), equal) for p in calls):
+        shapes = sorted({tuple(p.shape) for p in calls})
+        raise Refused("format", f"{name} is called with positions per axis {shapes} other than the tokens' own")
+    x = torch.zeros(1, device=positions.device, dtype=torch.float32)
+    try:
+        out = rotary_call(rotary, x, equal, layer_type)
+    except Exception as err:  # a module that takes per-axis positions in the model's own call only
+        raise Refused("format", f"{name}(x, per-axis positions) raised {type(err).__name__}: {err}") from None
+    if found_format == "complex" or not (isinstance(out, tuple) and len(out) == 2):
+        raise Refused("format", f"{name} is called with positions per axis and returns {type(out).__name__}")
+    scale = attention_scaling(rotary, layer_type)
+    cos, sin = cos_sin(getattr(rotary, typed("inv_freq", layer_type)), scale, positions, out[0].dtype)
+    if not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(out, formatted(cos, sin, found_format))):
+        raise Refused("format", f"{name} with its {axes} axes at the tokens' positions is not RoPE at those positions")
+    return axes
 
 
 def attention_scaling(rotary: nn.Module, layer_type: str | None = None) -> float:
@@ -276,10 +328,12 @@ def _tensors(output) -> list[torch.Tensor]:
 class _Outputs:
     """Each module's tensor outputs in a forward, by name (a module called twice, twice)."""
 
-    def __init__(self, model: nn.Module, skip: nn.Module):
+    def __init__(self, model: nn.Module, skip: list[nn.Module]):
         self.seen: dict[str, list] = {}
         self._hooks = [
-            module.register_forward_hook(self._hook(name)) for name, module in model.named_modules() if module is not skip
+            module.register_forward_hook(self._hook(name))
+            for name, module in model.named_modules()
+            if all(module is not other for other in skip)
         ]
 
     def _hook(self, name):
@@ -364,7 +418,9 @@ def _rotation(real, identity, cos, sin):
 
 def probe(model: nn.Module) -> Structure:
     """The structure of `model` (a transformers PreTrainedModel, unwrapped), or Refused."""
-    rotary_name, rotary, types = find_rotary(model)
+    candidates = find_rotary(model)
+    rotary_name, rotary, types = candidates[0]
+    several = len(candidates) > 1
     config_name = rotary_config(model, rotary)
     rope_config = sub_config(model.config, config_name)
     parameters = getattr(rope_config, "rope_parameters", None)
@@ -376,7 +432,8 @@ def probe(model: nn.Module) -> Structure:
     patched = PATCHED_TYPE if types else None
     device = getattr(rotary, typed("inv_freq", patched)).device
     positions = torch.arange(PROBE_LENGTH, device=device)[None]
-    found_format = cos_format(rotary, positions, patched)
+    if not several:
+        found_format = cos_format(rotary, positions, patched)
     config = model.config
     vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
     ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + 3) % vocab
@@ -384,25 +441,26 @@ def probe(model: nn.Module) -> Structure:
     model.eval()
     base = PROBE_BACKEND
     try:
-        real, real_outputs = _Capture(base), _Outputs(model, rotary)
+        real, real_outputs = _Capture(base), _Outputs(model, [module for _, module, _ in candidates])
         try:
             logits = _run(model, ids[None], real, None)
         finally:
             real_outputs.remove()
         if not real.calls:
             raise Refused("outside-attention", "no attention call went through transformers' AttentionInterface")
-        ident, ident_outputs = _Capture(base, real.calls), _Outputs(model, rotary)
-        try:
-            if not torch.equal(_run(model, ids[None], ident, rotary, patched), logits):
-                raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
-        finally:
-            ident_outputs.remove()
-        # M-RoPE (Qwen3.5) passes a row of positions per axis (text, height, width); rope-ext's
-        # cos/sin follow one position per token, and its module would broadcast the axes into the heads.
-        axes = sorted({tuple(p.shape) for p in ident.positions if torch.is_tensor(p) and p.dim() > 2})
-        if axes:
-            raise Refused("format", f"{type(rotary).__name__} is called with positions per axis, of shape {axes[0]}")
-        kept = {}  # the layer types the patch keeps: which calls each rotates
+        kept = {}  # the layer types (or the other rotary modules) the patch keeps: which calls each rotates
+        kept_rotary, unused_rotary = (), ()
+        if several:
+            runs = {name: _identity(model, ids, real, logits, module, None) for name, module, _ in candidates}
+            rotary_name, kept_rotary, unused_rotary = _served(model, real, runs)
+            rotary = model.get_submodule(rotary_name)
+            ident, ident_outputs = runs.pop(rotary_name)
+            kept = {name: run for name, (run, _) in runs.items()}
+            found_format = cos_format(rotary, positions)
+        else:
+            ident, ident_outputs = _identity(model, ids, real, logits, rotary, patched)
+        per_axis = [p for p in ident.positions if torch.is_tensor(p) and p.dim() > 2]
+        axes = axis_count(rotary, per_axis, positions, found_format, patched)
         for layer_type in types:
             if layer_type != patched:
                 kept[layer_type] = _Capture(base, real.calls)
@@ -427,7 +485,7 @@ def probe(model: nn.Module) -> Structure:
             rope.append(False)
             if len(rotated_by) > 1:
                 raise Refused("rotation", f"`{names[id(module)]}` rotates with the frequencies of {rotated_by}")
-            layer_types.append(rotated_by[0] if rotated_by else None)
+            layer_types.append((_layer_type(config, module) if several else rotated_by[0]) if rotated_by else None)
             continue
         if found_format == "complex" and not rotated_by:
             # The model multiplies queries and keys, viewed as complex pairs of adjacent channels, by
@@ -442,7 +500,7 @@ def probe(model: nn.Module) -> Structure:
                 "than halves or interleaved pairs of the leading or trailing channels)",
             )
         rope.append(True)
-        layer_types.append(patched)
+        layer_types.append(_layer_type(config, module) if several else patched)
         layouts |= found
         head_dims.add(q.shape[-1])
     if not any(rope):
@@ -474,11 +532,74 @@ def probe(model: nn.Module) -> Structure:
         cos_format=found_format,
         plain_attention=all(real.plain),
         layer_type=patched,
-        layer_types=tuple(layer_types) if types else (),
+        layer_types=tuple(layer_types) if types or several else (),
+        kept_rotary=kept_rotary,
+        unused_rotary=unused_rotary,
+        rope_theta=_own_theta(rotary) if several else None,
         rotation_elsewhere=elsewhere,
         static_only=static_only,
+        axes=axes,
         config=config_name,
     )
+
+
+def _identity(model, ids, real: _Capture, logits, rotary: nn.Module, layer_type: str | None):
+    """The capture and module outputs of a forward in which `rotary` answers an identity rotation
+    (for `layer_type` alone), attending with the real run's queries and keys; Refused when its
+    logits differ from the real run's (the rotation reaches the model elsewhere too)."""
+    ident, outputs = _Capture(real.base, real.calls), _Outputs(model, [rotary])
+    try:
+        if not torch.equal(_run(model, ids[None], ident, rotary, layer_type), logits):
+            raise Refused("outside-attention", "an identity rotation fed to attention's own inputs changes the logits")
+    finally:
+        outputs.remove()
+    return ident, outputs
+
+
+def _layer_type(config, attention: nn.Module) -> str | None:
+    """An attention layer's type in the config's `layer_types` (None where it states none)."""
+    types, index = getattr(config, "layer_types", None), getattr(attention, "layer_idx", None)
+    return types[index] if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types) else None
+
+
+def _served(model: nn.Module, real: _Capture, runs: dict) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """Of several rotary modules (name -> its identity run): the one the patch replaces, those it
+    keeps, those no attention layer uses. The calls a module's identity run changes are the layers
+    it rotates; the patch takes one module rotating full-attention layers (or the only module any
+    layer uses), and keeps the others only if each rotates layers of a stated type other than
+    PATCHED_TYPE (sliding-window ones, which never attend past their window)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    serves = {
+        name: [index for index, (_, q, k) in enumerate(real.calls) if not _unchanged(run.calls[index], q, k)]
+        for name, (run, _) in runs.items()
+    }
+    kinds = [_layer_type(model.config, module) for module, _, _ in real.calls]
+    used = [name for name, calls in serves.items() if calls]
+    unused = tuple(name for name, calls in serves.items() if not calls)
+    kept = tuple(name for name in used if all(kinds[i] not in (None, PATCHED_TYPE) for i in serves[name]))
+    replaced = [name for name in used if name not in kept]
+    if len(used) == 1:
+        return used[0], (), unused
+    if len(replaced) == 1:
+        return replaced[0], kept, unused
+    if not used:
+        raise Refused("no-rope-layer", f"{len(real.calls)} attention calls, none rotated by {', '.join(serves)}")
+    found = "; ".join(
+        f"`{name}` rotates "
+        + (", ".join(f"`{names[id(real.calls[i][0])]}` ({kinds[i] or 'type not stated'})" for i in calls) or "no layer")
+        for name, calls in serves.items()
+    )
+    raise Refused(
+        "several-rotary",
+        f"{len(replaced)} of them rotate full-attention layers (or layers of no stated type), where the patch takes one "
+        f"and keeps only modules of sliding-window layers: {found}",
+    )
+
+
+def _own_theta(rotary: nn.Module) -> float | None:
+    """The base a rotary module, one of several, was built with from a config of its own."""
+    rope = getattr(getattr(rotary, "config", None), "rope_parameters", None)
+    return float(rope["rope_theta"]) if isinstance(rope, dict) and "rope_theta" in rope else None
 
 
 def _unchanged(call, query: torch.Tensor, key: torch.Tensor) -> bool:

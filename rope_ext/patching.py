@@ -40,8 +40,9 @@ class PatchInfo:
     what the method states about the parameters it resolved, as data (e.g. whether they follow a
     rule its authors give, at max_length); {} when it states nothing. `layer_types`, of a model
     whose rotary frequencies are kept per layer type (Gemma 3, OLMo 3, ...): the types whose
-    frequencies the patch replaces ("patched": the full-attention layers) and keeps ("kept");
-    None for a model with one set, which `to_dict` leaves out."""
+    frequencies the patch replaces ("patched": the full-attention layers) and keeps ("kept"),
+    and of a model with several rotary modules (Granite-SWA) the modules too ("rotary": patched,
+    kept, unused); None for a model with one set, which `to_dict` leaves out."""
 
     method: str
     factor: float

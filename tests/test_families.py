@@ -59,11 +59,10 @@ UNPROVABLE_SHAPES = {"gemma3_text": {"layer_types": ["sliding_attention", "slidi
 @pytest.mark.parametrize(
     "model_type, reason",
     [
-        ("granite_swa", "several rotary embedding modules"),
+        ("moshi", "several rotary embedding modules"),  # one per layer, each rotating full attention
         ("gemma3_text", "rotary frequencies kept per layer type"),
         ("hunyuan_v1_dense", "a rotation rope-ext cannot reproduce"),  # a norm after RoPE
         ("nanochat", "a rotation rope-ext cannot reproduce"),  # another sign of rotate_half
-        ("qwen3_5_text", "a cos/sin format rope-ext does not produce"),  # M-RoPE: positions per axis
     ],
 )
 def test_unprovable_models_are_refused_with_the_reason_and_unchanged(model_type, reason):

@@ -188,8 +188,6 @@ def test_methods_that_choose_keys_by_position_still_refuse_sliding_window_layers
         # full-attention layers without RoPE: the patch would change nothing
         ("beam", {}, "per-layer-type", "holds sliding_attention_inv_freq"),
         ("deepseek_v4", {}, "several-rotary", "compressor.rotary_emb"),
-        # one module per RoPE base, besides one left unused
-        ("granite_swa", {}, "several-rotary", "`model.rotary_embs.0`"),
         ("gemma4_unified_text", {}, "per-layer-config", "head_dim"),
         # int(16 * 0.334) = 5: exponents over an odd size, which no rotary geometry states
         ("mimo_v2_flash", {"head_dim": 16}, "frequencies", "rotary dim 6"),
