@@ -493,23 +493,37 @@ def probe(model: nn.Module) -> Structure:
             if found != {("interleaved", "leading")}:
                 unreproduced.append(names[id(module)])
             found = {("interleaved", "leading")}
-        if len(found) != 1 or False in found or None in found or rotated_by:
+        if rotated_by:
             raise Refused(
                 "rotation",
-                f"`{names[id(module)]}` (a norm or another step between the rotation and attention, or a pairing other "
-                "than halves or interleaved pairs of the leading or trailing channels)",
+                f"`{names[id(module)]}` rotates with the frequencies of {rotated_by} besides those the patch replaces",
             )
+        if len(found) != 1 or False in found or None in found:
+            # A norm or another step between the rotation and attention (HunYuan), or another sign of
+            # rotate_half (nanochat): rope-ext cannot rotate for the model, but the model rotates
+            # itself with the module's output, which the format check proved is rope-ext's (cos, sin).
+            unreproduced.append(names[id(module)])
+        else:
+            layouts |= found
         rope.append(True)
         layer_types.append(_layer_type(config, module) if several else patched)
-        layouts |= found
         head_dims.add(q.shape[-1])
     if not any(rope):
         rotated = f" with the {patched} frequencies" if patched else ""
         raise Refused("no-rope-layer", f"{len(modules)} attention calls, none rotated{rotated}")
     if len(layouts) > 1 or len(head_dims) > 1:
         raise Refused("mixed", f"pairings {sorted(layouts)}, head sizes {sorted(head_dims)}")
-    layout, channels = layouts.pop()
+    # Where no layer's rotation is rope-ext's, only static methods apply and rope-ext never rotates
+    # for the model: the pairing is the one the module's format is laid out for.
+    layout, channels = layouts.pop() if layouts else ("interleaved" if found_format == "repeated" else "half", "leading")
     static_only = None
+    if unreproduced and found_format != "complex":
+        static_only = (
+            f"in {len(unreproduced)} of its {sum(rope)} rotating layers (`{unreproduced[0]}`, ...) attention receives "
+            "queries and keys that rope-ext's rotation does not give bit for bit (a norm or another step between the "
+            "rotation and attention, or a pairing other than halves or interleaved pairs of the leading or trailing "
+            f"channels); the model rotates them itself with `{rotary_name}`'s output"
+        )
     if found_format == "complex":
         static_only = (
             f"`{rotary_name}` returns complex freqs_cis, which the model multiplies with its queries and keys itself, "

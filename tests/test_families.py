@@ -11,7 +11,7 @@ import torch
 import rope_ext
 from rope_ext.patches.probe import probe
 
-from test_census import WINDOW, ids, logits, tiny
+from test_census import WINDOW, check, ids, logits, tiny
 from helpers import load_llama
 
 
@@ -61,8 +61,6 @@ UNPROVABLE_SHAPES = {"gemma3_text": {"layer_types": ["sliding_attention", "slidi
     [
         ("moshi", "several rotary embedding modules"),  # one per layer, each rotating full attention
         ("gemma3_text", "rotary frequencies kept per layer type"),
-        ("hunyuan_v1_dense", "a rotation rope-ext cannot reproduce"),  # a norm after RoPE
-        ("nanochat", "a rotation rope-ext cannot reproduce"),  # another sign of rotate_half
     ],
 )
 def test_unprovable_models_are_refused_with_the_reason_and_unchanged(model_type, reason):
@@ -73,6 +71,24 @@ def test_unprovable_models_are_refused_with_the_reason_and_unchanged(model_type,
         rope_ext.patch(model, "self_extend", factor=4)
     assert torch.equal(logits(model, x), before)
     assert model.config.to_dict() == config
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "nanochat"])  # a norm after RoPE; another sign of rotate_half
+def test_a_rotation_rope_ext_cannot_reproduce_takes_the_static_methods_only(model_type, tmp_path):
+    """The model rotates with the module's output itself, which the probe proved is rope-ext's
+    (cos, sin): the static methods patch it exactly (the census's check); the methods that rotate
+    queries and keys inside attention are refused with the reason, the model unchanged."""
+    model = tiny(model_type)
+    x = ids(WINDOW)
+    before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
+    for method in ("self_extend", "dynamic", "rerope"):
+        with pytest.raises(
+            ValueError, match=f"{method} rotates queries and keys inside attention, and a rotation rope-ext cannot reproduce"
+        ):
+            rope_ext.patch(model, method, factor=4)
+        assert torch.equal(logits(model, x), before)
+        assert model.config.to_dict() == config
+    assert check(model, tmp_path, {}) is None
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "gemma2", "doge"])  # learned sinks, a softcap, a learned mask
