@@ -89,11 +89,16 @@ def unscaled(model):
     relative to the window that scaling records). The other rope_parameters stay, since some models
     read them outside the rotary module (ministral3's llama_4_scaling_beta)."""
     text = rope_config(model.config)
-    if text.rope_parameters.get("rope_type", "default") == "default":
+    # nested per layer type: the full-attention entry is the one a patch replaces (patches/probe.py)
+    entry = text.rope_parameters.get("full_attention", text.rope_parameters)
+    if entry.get("rope_type", "default") == "default":
         return model
     config = copy.deepcopy(model.config)
     text = rope_config(config)
-    text.rope_parameters = {**text.rope_parameters, "rope_type": "default"}
+    if "full_attention" in text.rope_parameters:
+        text.rope_parameters = {**text.rope_parameters, "full_attention": {**entry, "rope_type": "default"}}
+    else:
+        text.rope_parameters = {**text.rope_parameters, "rope_type": "default"}
     return twin_of(model, config)
 
 
@@ -108,17 +113,18 @@ def equal_models(a, b) -> bool:
     )
 
 
-def check(model, tmp_path, refusals: dict) -> str | None:
+def check(model, tmp_path, refusals: dict, **given) -> str | None:
     """None when `model` is patched exactly (every point of the module docstring) by each method
     that does not refuse it at patch(), else what failed; `refusals` gets each attention-side
-    method's refusal."""
+    method's refusal. `given`: what patch() needs of a checkpoint (original_window= where its
+    scaling records no window)."""
     plain = copy.deepcopy(model)
     inside, past = ids(WINDOW), ids(WINDOW + 36, seed=1)
     reference = logits(plain, inside)
     tolerance = MOE_TOLERANCE if routes(model) else 0.0
 
     patched = copy.deepcopy(plain)
-    info = rope_ext.patch(patched, "yarn", factor=4)
+    info = rope_ext.patch(patched, "yarn", factor=4, **given)
     if info.native is not None:
         config = copy.deepcopy(patched.config)
         del rope_config(config).rope_ext
@@ -141,7 +147,7 @@ def check(model, tmp_path, refusals: dict) -> str | None:
     for method in ATTENTION_SIDE:
         patched = copy.deepcopy(plain)
         try:
-            rope_ext.patch(patched, method, factor=4)
+            rope_ext.patch(patched, method, factor=4, **given)
         except ValueError as err:  # the method refused at patch(), before any change
             if not equal_models(patched, plain):
                 return f"{method}: a refused patch changed the model"

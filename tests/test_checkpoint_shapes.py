@@ -61,6 +61,21 @@ SHAPES = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
+    # google/gemma-3-4b-it's text model: linear x8 on the global layers over a 32768-token window
+    # (a linear scaling records no window: original_window= below), local layers at theta 1e4
+    "gemma-3": (
+        "gemma3_text",
+        {
+            "sliding_window": WINDOW // 2,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": WINDOW * 8,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
     # microsoft/Phi-3.5-mini-instruct: longrope short/long factor lists over a 4096-token window
     "phi-3.5-mini": (
         "phi3",
@@ -108,7 +123,10 @@ SHAPES = {
 
 # Attention-side methods each shape refuses, by the reason key (patches/probe.py REASONS, or the
 # methods' own refusal of sliding-window layers); every other method patches it exactly.
+# what patch() needs of a shape: a linear scaling records no pretraining window
+GIVEN = {"gemma-3": {"original_window": WINDOW}}
 REFUSED = {
+    "gemma-3": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "mistral-swa": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "gemma-2": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
     "gpt-oss": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
@@ -123,7 +141,7 @@ def test_published_shapes_are_patched_exactly(shape, tmp_path):
     model = tiny(model_type, **config)
     assert model is not None, f"{shape} does not build"
     refusals = {}
-    assert check(model, tmp_path, refusals) is None
+    assert check(model, tmp_path, refusals, **GIVEN.get(shape, {})) is None
     assert {method: method_reason(message) for method, message in refusals.items()} == REFUSED.get(shape, {})
 
 
