@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 import rope_ext
 from helpers import required_params
 from rope_ext.patches.probe import REASONS, probe
+from test_census import decode_gap, twin_of
 
 WINDOW = 64
 VOCAB = 128
@@ -84,26 +85,11 @@ def logits(model, x):
 
 
 def twin(model, config):
-    """The model transformers alone builds from `config`, with `model`'s weights."""
+    """The model transformers alone builds from `config` (its rope_ext record dropped), with `model`'s weights."""
     config = copy.deepcopy(config)
     if hasattr(config, "rope_ext"):
         del config.rope_ext
-    built = AutoModelForCausalLM.from_config(config).eval()
-    built.load_state_dict(model.state_dict())
-    return built
-
-
-@torch.no_grad()
-def decode_gap(model, x, prefill: int) -> float:
-    """The largest gap between token-by-token decoding in the model's KV cache and one full forward."""
-    full = model(x).logits[0]
-    cache = model(x[:, :prefill], use_cache=True).cache
-    worst = 0.0
-    for t in range(prefill, x.shape[1]):
-        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
-        cache = out.cache
-        worst = max(worst, (out.logits[0, -1] - full[t]).abs().max().item())
-    return worst
+    return twin_of(model, config)
 
 
 def test_the_probe_proves_the_complex_format_and_the_nope_layer():

@@ -26,7 +26,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 import rope_ext
 from rope_ext.attention import base_name
 from rope_ext.patches.probe import REASONS, probe
-from test_census import check
+from test_census import check, decode_gap
 
 WINDOW = 32
 VOCAB = 128
@@ -129,19 +129,6 @@ def twin_of(model, rope_parameters: dict, max_position_embeddings: int):
     twin = AutoModelForCausalLM.from_config(config).eval()
     twin.load_state_dict(model.state_dict())
     return twin
-
-
-@torch.no_grad()
-def decode_gap(model, x, prefill: int) -> float:
-    """The largest gap between token-by-token decoding in the model's own cache and one forward."""
-    full = model(x).logits[0]
-    cache = model(x[:, :prefill], use_cache=True).cache
-    worst = 0.0
-    for t in range(prefill, x.shape[1]):
-        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
-        cache = out.cache
-        worst = max(worst, (out.logits[0, -1] - full[t]).abs().max().item())
-    return worst
 
 
 def scalings(model) -> list[float]:
