@@ -193,6 +193,22 @@ def ids(length: int, seed: int = 0) -> torch.LongTensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+@torch.no_grad()
+def logits(model, x):
+    return model(x).logits
+
+
+def norms_moved(model):
+    """`model` with its norm weights moved away from 1 (seeded), so that a rotation that does not
+    commute with a norm is seen."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name and weight.dim() == 1:
+                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
+    return model
+
+
 def config_for(model_type: str, **overrides):
     """The tiny config of `model_type`: SHRINK, its OVERRIDES entry and `overrides`, in the config
     and in each of its sub-configs (a sub-config's entry is a dict under its name)."""
@@ -243,9 +259,4 @@ def tiny(model_type: str, **overrides):
         return None
     if not rotary(model):
         return None
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name and weight.dim() == 1:
-                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
-    return model
+    return norms_moved(model)

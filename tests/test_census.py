@@ -33,7 +33,7 @@ from transformers.utils import logging as hf_logging
 import rope_ext
 from rope_ext.patches.probe import REASONS
 
-from census_configs import NOT_BUILT, WINDOW, ids, tiny
+from census_configs import NOT_BUILT, WINDOW, ids, logits, tiny
 
 # measured with transformers 5.24 (docs/families.md): rotary architectures built, and patched exactly
 BUILT = 135
@@ -46,11 +46,6 @@ METHOD_REASONS = {"sliding-window": "attend through a sliding window"}
 # patch()'s own refusal of a checkpoint whose scaling records no pretraining window
 # (rope_ext.patching): the user gives original_window=, the census has no window to give.
 PATCH_REASONS = {"no-window": "does not record the window it was pretrained with"}
-
-
-@torch.no_grad()
-def logits(model, x):
-    return model(x).logits
 
 
 def routes(model) -> bool:

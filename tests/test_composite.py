@@ -26,14 +26,9 @@ from transformers import (
 import rope_ext
 from rope_ext.patches.probe import REASONS
 
-from census_configs import SHRINK, WINDOW, ids, tiny
+from census_configs import SHRINK, WINDOW, ids, logits, tiny
 
 COMPOSITE_TYPES = ["got_ocr2", "fuyu", "moss_transcribe_diarize"]
-
-
-@torch.no_grad()
-def logits(model, x):
-    return model(x).logits
 
 
 def saved(model, path):

@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 import rope_ext
 from helpers import required_params
 from rope_ext.patches.probe import REASONS, probe
+from census_configs import VOCAB, ids, logits, norms_moved
 from test_census import decode_gap, twin_of
 
 WINDOW = 64
-VOCAB = 128
 DECODE_TOLERANCE = 1e-4
 # the methods that only change the rotary module's output, with a transformers-native form
 STATIC_METHODS = ["linear", "ntk", "yarn", "ntk_by_parts", "ntk_alpha", "proportional", "llama3"]
@@ -67,21 +67,7 @@ def tiny(use_qk_norm: bool = True, rope_parameters: dict | None = None, max_posi
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name and weight.dim() == 1:
-                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
-    return model
-
-
-def ids(length: int, seed: int = 0) -> torch.LongTensor:
-    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model, x):
-    return model(x).logits
+    return norms_moved(model)
 
 
 def twin(model, config):

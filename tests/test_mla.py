@@ -26,10 +26,10 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 import rope_ext
 from rope_ext.attention import base_name
 from rope_ext.patches.probe import REASONS, probe
+from census_configs import VOCAB, ids, logits, norms_moved
 from test_census import check, decode_gap
 
 WINDOW = 32
-VOCAB = 128
 ROPE_DIM, NOPE_DIM = 8, 8
 # The tiny MLA shape; keys a config does not know become unused attributes.
 SHAPE = dict(
@@ -91,15 +91,6 @@ MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
 
 
-def ids(length: int, seed: int = 0) -> torch.LongTensor:
-    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-@torch.no_grad()
-def logits(model, x):
-    return model(x).logits
-
-
 def mla(name: str, rope_parameters: dict | None = None):
     """The tiny fp32 model of `name` (a model type, or a PATCHED key), norm weights moved from 1."""
     model_type = name.split()[0]
@@ -110,12 +101,7 @@ def mla(name: str, rope_parameters: dict | None = None):
     config._attn_implementation = "eager" if model_type in EAGER_ONLY else "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for key, weight in model.named_parameters():
-            if "norm" in key and weight.dim() == 1:
-                weight.add_(0.1 * torch.randn(weight.shape, generator=generator))
-    return model
+    return norms_moved(model)
 
 
 def twin_of(model, rope_parameters: dict, max_position_embeddings: int):
