@@ -303,3 +303,52 @@ def linear_glm(max_positions: int = 256):
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def decode_logits(model, cache, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, cache=cache, use_cache=True).logits[:, -1]
+
+
+def full_logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits[:, -1]
+
+
+def assert_kept_keys_follow_the_cache(model, rows: torch.Tensor, end: int) -> None:
+    """Decoding two sequences (`rows`) up to `end` through a DynamicCache changed between steps
+    (a crop, a deepcopy of the cache, beams swapped, then repeated), and through a deepcopy of
+    the model while the original's store holds that cache's keys, each step
+    equals the full forward of what the cache holds. A step that served the rotated keys of the
+    cache as it was would not: the swap keeps the cache's length and shape."""
+    rotary = model.model.rotary_emb
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(rows[:, : end - 2], cache=cache, use_cache=True)
+    decode_logits(model, cache, rows[:, end - 2 : end - 1])
+    decode_logits(model, cache, rows[:, end - 1 : end])
+    cache.crop(-2)  # the last two keys go: the next step is position end - 2 again
+    step = decode_logits(model, cache, rows[:, end - 2 : end - 1])
+    torch.testing.assert_close(step, full_logits(model, rows[:, : end - 1]), rtol=0, atol=1e-4)
+
+    copied = copy.deepcopy(cache)
+    rotary.copy_positions(cache, copied, end - 1)
+    step = decode_logits(model, copied, rows[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, rows[:, :end]), rtol=0, atol=1e-4)
+
+    twin = copy.deepcopy(model)  # a copy of the model, its store empty, decodes on a cache of its own
+    twin_cache = DynamicCache(config=model.config)
+    decode_logits(twin, twin_cache, rows[:, : end - 1])
+    step = decode_logits(twin, twin_cache, rows[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, rows[:, :end]), rtol=0, atol=1e-4)
+
+    cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: row 0 now holds the second sequence
+    swapped = rows.flip(0)
+    step = decode_logits(model, cache, swapped[:, end - 1 : end])
+    torch.testing.assert_close(step, full_logits(model, swapped[:, :end]), rtol=0, atol=1e-4)
+
+    cache.batch_repeat_interleave(2)
+    rotary.repeat_positions(cache, 2)
+    repeated = swapped.repeat_interleave(2, dim=0)
+    step = decode_logits(model, cache, repeated[:, end : end + 1])
+    torch.testing.assert_close(step, full_logits(model, repeated[:, : end + 1]), rtol=0, atol=1e-4)

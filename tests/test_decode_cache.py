@@ -3,7 +3,6 @@ positions once per forward, not once per layer, and, for the dynamic methods' ca
 O(length) of them at any number of groups. Results stay those of the full forward
 (test_dynamic_cache.py, test_attention_methods.py)."""
 
-import copy
 import sys
 import weakref
 
@@ -15,7 +14,7 @@ import rope_ext
 import rope_ext.attention.rotate
 import rope_ext.rotation
 
-from helpers import load_llama
+from helpers import assert_kept_keys_follow_the_cache, load_llama
 
 
 class CosSinCalls:
@@ -147,16 +146,6 @@ def test_a_decode_step_rotates_only_its_new_keys_while_the_scaling_holds(
     assert counter.rows == 2 * layers
 
 
-def decode_logits(model, cache, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, cache=cache, use_cache=True).logits[:, -1]
-
-
-def full_logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits[:, -1]
-
-
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
 def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, heldout_ids, method):
     """The rotated keys kept between steps are those of the cache as it is: after a crop, a deepcopy,
@@ -165,30 +154,7 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
     rope_ext.patch(tiny_model, method, factor=4)
     rows = torch.stack((heldout_ids[:200], heldout_ids[300:500]))
     for end in (90, 160):  # inside the 128-token window, and past it
-        cache = DynamicCache(config=tiny_model.config)
-        with torch.no_grad():
-            tiny_model(rows[:, : end - 2], cache=cache, use_cache=True)
-        decode_logits(tiny_model, cache, rows[:, end - 2 : end - 1])
-        decode_logits(tiny_model, cache, rows[:, end - 1 : end])
-        cache.crop(-2)  # the last two keys go: the next step is position end - 2 again
-        step = decode_logits(tiny_model, cache, rows[:, end - 2 : end - 1])
-        torch.testing.assert_close(step, full_logits(tiny_model, rows[:, : end - 1]), rtol=0, atol=1e-4)
-
-        copied = copy.deepcopy(cache)
-        tiny_model.model.rotary_emb.copy_positions(cache, copied, end - 1)
-        step = decode_logits(tiny_model, copied, rows[:, end - 1 : end])
-        torch.testing.assert_close(step, full_logits(tiny_model, rows[:, :end]), rtol=0, atol=1e-4)
-
-        cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: row 0 now holds the second sequence
-        swapped = rows.flip(0)
-        step = decode_logits(tiny_model, cache, swapped[:, end - 1 : end])
-        torch.testing.assert_close(step, full_logits(tiny_model, swapped[:, :end]), rtol=0, atol=1e-4)
-
-        cache.batch_repeat_interleave(2)
-        tiny_model.model.rotary_emb.repeat_positions(cache, 2)
-        repeated = swapped.repeat_interleave(2, dim=0)
-        step = decode_logits(tiny_model, cache, repeated[:, end : end + 1])
-        torch.testing.assert_close(step, full_logits(tiny_model, repeated[:, : end + 1]), rtol=0, atol=1e-4)
+        assert_kept_keys_follow_the_cache(tiny_model, rows, end)
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
