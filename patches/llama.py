@@ -143,15 +143,14 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
-def softmax_scales(site: RotarySite, rope: dict) -> dict[nn.Module, float]:
-    """{attention module: the softmax `scaling` its class sets at construction from the model's
-    config holding `rope`}, for the modules that keep one and whose class builds from the config
-    (on the meta device: no weights). DeepSeek's MLA attention multiplies it by YaRN's mscale of
-    the config's factor and `mscale_all_dim`, so it follows the rope parameters; for the others it
-    is the head size's alone."""
+def set_softmax_scales(site: RotarySite, rope: dict) -> None:
+    """Set each attention module's softmax `scaling` to what its class sets at construction from the
+    model's config holding `rope`, for the modules that keep one and whose class builds from the
+    config (on the meta device: no weights). DeepSeek's MLA attention multiplies it by YaRN's mscale
+    of the config's factor and `mscale_all_dim`, so it follows the rope parameters; for the others
+    it is the head size's alone."""
     config = copy.deepcopy(site.config)
     config.rope_parameters = rope
-    scales = {}
     for module in site.attention + site.nope:
         if not isinstance(getattr(module, "scaling", None), float):
             continue
@@ -161,8 +160,7 @@ def softmax_scales(site: RotarySite, rope: dict) -> dict[nn.Module, float]:
         except Exception:  # a class that does not build from (config, layer_idx) keeps its own value
             continue
         if isinstance(built, float):
-            scales[module] = built
-    return scales
+            module.scaling = built
 
 
 class PassThrough(AttentionTransform):
@@ -346,16 +344,14 @@ class LlamaFamily(FamilyAdapter):
             if native is not None
             else rope_parameters(site.config.rope_parameters, {"rope_type": "default"}, site.layer_type)
         )
-        for module, scaling in softmax_scales(site, rope).items():
-            module.scaling = scaling
+        set_softmax_scales(site, rope)
         return native
 
     def uninstall(self, site: RotarySite) -> None:
         rotary = self.installed(site)
         self._detach(site)
         restore(site.config, rotary.original)
-        for module, scaling in softmax_scales(site, site.config.rope_parameters).items():
-            module.scaling = scaling
+        set_softmax_scales(site, site.config.rope_parameters)
         restored = rotary.original_cls(rotary.config).to(rotary.inv_freq.device)
         site.swap_rotary(restored)
 
