@@ -83,6 +83,7 @@ class RotateInAttention(AttentionTransform):
         self._hooks: list = []
         self._forward: tuple = (None, {})
         self.rotated = RotatedKeys()
+        self._warned = False  # of many groups in a forward (_counted), once per patch
 
     def __getstate__(self):
         # pickled by torch.save(model): what a forward left (its frame, whose lru_cache does not
@@ -171,7 +172,7 @@ class RotateInAttention(AttentionTransform):
         return out, weights
 
     def _counted(self, groups: list) -> list:
-        if len(groups) > self.MANY_GROUPS and not getattr(self, "_warned", False):
+        if len(groups) > self.MANY_GROUPS and not self._warned:
             self._warned = True
             method = self.rotary.method.name
             warnings.warn(
