@@ -105,12 +105,16 @@ def prepared(cos: torch.Tensor, sin: torch.Tensor, layout: str) -> tuple[torch.T
 
 
 def rotate_prepared(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading"
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading", out=None
 ) -> torch.Tensor:
     """apply_rotary with (cos, sin) from `prepared`: x * cos + swap(x) * sin, bit for bit apply_rotary
     (a - b * s and a + b * (-s) round alike), in four operations where apply_rotary takes fifteen:
-    the rotation of a decode step's one query and one key is mostly the cost of its operations."""
+    the rotation of a decode step's one query and one key is mostly the cost of its operations.
+    `out`, where every channel is rotated: the tensor to write the result into (a view of a
+    buffer), which saves the copy; the same roundings, so the same bits."""
     dim = cos.shape[-1]
+    if out is not None and dim != x.shape[-1]:
+        return out.copy_(rotate_prepared(x, cos, sin, layout, channels))
     if dim == x.shape[-1]:
         rotated = x
     else:
@@ -119,12 +123,14 @@ def rotate_prepared(
         swapped = torch.roll(rotated, dim // 2, dims=-1)
     else:
         swapped = rotated.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
-    out = rotated * cos + swapped * sin
+    if out is not None:
+        return torch.mul(rotated, cos, out=out).add_(swapped * sin)
+    rotated = rotated * cos + swapped * sin
     if dim == x.shape[-1]:
-        return out
+        return rotated
     # the channels that pass through, as many times as (cos, sin) hold position maps
     if channels == "trailing":
         kept = x[..., : x.shape[-1] - dim]
-        return torch.cat((kept.expand(*out.shape[:-1], kept.shape[-1]), out), dim=-1)
+        return torch.cat((kept.expand(*rotated.shape[:-1], kept.shape[-1]), rotated), dim=-1)
     kept = x[..., dim:]
-    return torch.cat((out, kept.expand(*out.shape[:-1], kept.shape[-1])), dim=-1)
+    return torch.cat((rotated, kept.expand(*rotated.shape[:-1], kept.shape[-1])), dim=-1)

@@ -327,7 +327,8 @@ class RotateInAttention(AttentionTransform):
             buffer = entry[1]
             if buffer.shape[-2] < kv_len:
                 buffer = self._grown(buffer, kv_len, held)
-            buffer[..., held:kv_len, :] = rotate_prepared(key[:, :, None, held:], *rotation(held, kv_len), *pairing)
+            new_keys = key.narrow(-2, held, kv_len - held).unsqueeze(2)
+            rotate_prepared(new_keys, *rotation(held, kv_len), *pairing, out=buffer.narrow(-2, held, kv_len - held))
         else:
             # no room yet: a map the next step does not use (a dynamic scaling that moves at every
             # step past the window) would make room a copy for nothing
