@@ -164,13 +164,16 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
 def test_the_prepared_rotation_is_apply_rotary_bit_for_bit(layout, head_dim, rotary_dim, dtype, channels):
     """rotate_prepared (what the kept keys and the queries of attention-side methods go through)
     rounds as apply_rotary, full and partial rotary (the leading channels, or MLA's trailing ones),
-    in both layouts, at fractional positions."""
+    in both layouts, at fractional positions; written into a strided view of a buffer (`out`, how a
+    decode step's new keys reach the kept keys), the same bits, and nothing else in the buffer moves."""
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 3, 7, head_dim, generator=generator) * 100).to(dtype)
     positions = torch.arange(7)[None].expand(2, -1) * 37.3
     cos, sin = rope_ext.rotation.cos_sin(torch.rand(rotary_dim // 2, generator=generator), 0.9, positions, dtype)
     prepared = rope_ext.rotation.prepared(cos, sin, layout)
-    assert torch.equal(
-        rope_ext.rotation.rotate_prepared(x, *prepared, layout, channels),
-        rope_ext.rotation.apply_rotary(x, cos, sin, layout, channels),
-    )
+    expected = rope_ext.rotation.apply_rotary(x, cos, sin, layout, channels)
+    assert torch.equal(rope_ext.rotation.rotate_prepared(x, *prepared, layout, channels), expected)
+    buffer = torch.full((2, 3, 12, head_dim), 7.0, dtype=dtype)
+    written = rope_ext.rotation.rotate_prepared(x, *prepared, layout, channels, out=buffer.narrow(-2, 3, 7))
+    assert torch.equal(written, expected) and torch.equal(buffer[:, :, 3:10], expected)
+    assert bool((buffer[:, :, :3] == 7).all()) and bool((buffer[:, :, 10:] == 7).all())
