@@ -176,3 +176,17 @@ def test_a_fine_tune_is_compared_with_the_baseline_of_its_base(tiny_model, tiny_
     other = baseline_file(tmp_path / "other", model="tiny_yarn_x2")
     with pytest.raises(ValueError, match=f"measured model 'tiny_yarn_x2', not '{tiny_path.name}'"):
         run_passkey(out, tmp_path / "ft2", "--lengths", "256", "--baseline", str(other))
+
+
+def test_the_committed_smollm2_baseline_is_one_for_the_embedded_model():
+    """The README's and docs/evals.md's `--baseline docs/results/smollm2-plain-passkey-8k-t4.json`:
+    a baseline read as such (the unpatched model, one length, the 20-prompt protocol) and measured
+    on the embedded SmolLM2 as this install names it, which the run checks it against."""
+    from pathlib import Path
+
+    from rope_ext import defaults
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-plain-passkey-8k-t4.json"
+    baseline = retrieval.read_baseline(path)
+    retrieval.check_baseline(baseline, [0.1, 0.3, 0.5, 0.7, 0.9], 4, 0)
+    assert baseline["setup"]["model"] == f"smollm2-135m-{defaults.smollm2_key()}"
