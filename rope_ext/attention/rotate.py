@@ -174,12 +174,13 @@ class RotateInAttention(AttentionTransform):
     def _counted(self, groups: list) -> list:
         if len(groups) > self.MANY_GROUPS and not self._warned:
             self._warned = True
-            method = self.rotary.method.name
+            method, step = self.rotary.method.name, self.rotary.params.get("granularity", 1)
             warnings.warn(
                 f"{method}: this forward attends its rows past the trained window in {len(groups)} groups (the causal "
-                "schedule: one per scaling, each against its whole key prefix), so it takes several times plain "
-                f"attention's time; patch with granularity=g to re-scale every g tokens ({len(groups)} / g groups, still "
-                "exact between one forward and decoding) or causal=False for transformers' one scaling per forward",
+                f"schedule at granularity {step}: one per scaling, each against its whole key prefix), so it takes "
+                "several times plain attention's time; patch with a larger granularity=g to re-scale every g tokens "
+                f"(about {len(groups) * step} / g groups, still exact between one forward and decoding) or causal=False "
+                "for transformers' one scaling per forward",
                 stacklevel=2,
             )
         return groups
