@@ -1,15 +1,17 @@
-"""Prefill and decode cost of every method against plain RoPE, side by side in one run, through
-`model.generate` (greedy), as a user runs it.
+"""Prefill and decode cost of every method against plain RoPE, side by side in one run, as
+`model.generate` (greedy) runs them: one forward over the prompt with a fresh DynamicCache, then
+one forward per new token on that cache.
 
-For each --lengths N: a prompt of N tokens (past the trained window) goes through `generate` with
---new-tokens new tokens, once per variant per repeat, the variants interleaved so that machine
-noise hits all of them. A streamer stamps the prompt's arrival, the first new token (the prefill)
-and the last one: prefill = first - prompt, decode = (last - first) / (new tokens - 1), each in CPU
-time of this process (`time.process_time`, all threads) and in wall time. The fastest repeat is the
-estimate (load only ever adds time); each method is reported as its ratio to plain RoPE: prefill
-seconds over plain's, decode tokens/s over plain's. Every method runs at --factor with its default
-parameters (the dynamic ones with their causal schedule); a method that cannot be patched on the
-model is listed with the reason.
+For each --lengths N, a prompt of N tokens (past the trained window) is prefilled --repeats times
+per variant, the variants interleaved, and the fastest repeat is the prefill estimate (load only
+ever adds time). The last prefill's cache is then decoded for --new-tokens greedy steps with the
+variants in turn at every step (the order rotating from step to step), so that noise on this
+machine, which comes and goes over seconds, reaches every variant alike. Decode is the sum of a
+variant's step times; its ratio to plain is plain's sum over its own (tokens/s over plain's), which
+keeps the steps that cost more (a dynamic method's re-rotation when its scaling moves). Times are
+CPU time of this process (`time.process_time`, all threads) and wall time. Every method runs at
+--factor with its default parameters (the dynamic ones with their causal schedule) unless
+--methods gives settings; a method that cannot be patched on the model is listed with the reason.
 
     python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import rope_ext
 from rope_ext.defaults import gutenberg_text, resolve_checkpoint
@@ -34,35 +36,64 @@ from rope_ext.training import tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLAIN = "plain"
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
-class Stamps:
-    """A `generate` streamer that records (CPU seconds, wall seconds) at each call: the prompt,
-    then every new token."""
-
-    def __init__(self):
-        self.times: list[tuple[float, float]] = []
-
-    def put(self, value) -> None:
-        self.times.append((time.process_time(), time.perf_counter()))
-
-    def end(self) -> None:
-        pass
+def timed(forward) -> tuple[dict, object]:
+    """({cpu, wall}: seconds `forward()` took, what it returned)."""
+    begin = {clock: read() for clock, read in CLOCKS.items()}
+    out = forward()
+    return {clock: read() - begin[clock] for clock, read in CLOCKS.items()}, out
 
 
 @torch.inference_mode()
-def timed_generate(model, ids: torch.Tensor, new_tokens: int) -> dict:
-    """{prefill_cpu, prefill_wall, decode_cpu, decode_wall}: seconds of the prefill, and per
-    decoded token after it."""
-    stamps = Stamps()
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=stamps)
-    (cpu0, wall0), (cpu1, wall1), (cpu2, wall2) = stamps.times[0], stamps.times[1], stamps.times[-1]
-    steps = len(stamps.times) - 2
+def prefill(model, ids: torch.Tensor) -> tuple[dict, tuple]:
+    """(seconds, (cache, next token)): the prompt through the model with a fresh DynamicCache."""
+    cache = DynamicCache(config=model.config)
+    seconds, out = timed(lambda: model(ids, cache=cache, use_cache=True, logits_to_keep=1))
+    return seconds, (cache, out.logits[:, -1:].argmax(-1))
+
+
+@torch.inference_mode()
+def step(model, state: tuple) -> tuple[dict, tuple]:
+    """(seconds, the next state): one greedy decode step on the state's cache."""
+    cache, token = state
+    seconds, out = timed(lambda: model(token, cache=cache, use_cache=True, logits_to_keep=1))
+    return seconds, (cache, out.logits[:, -1:].argmax(-1))
+
+
+def measure(models: dict, ids: torch.Tensor, repeats: int, new_tokens: int, desc: str) -> dict:
+    """{name: {"prefill": [seconds of each repeat], "decode": [seconds of each step]}}, the variants
+    interleaved in every repeat and every step."""
+    runs = {name: {"prefill": [], "decode": []} for name in models}
+    states = {}
+    for _ in tqdm(range(repeats), desc=f"{desc}: prefill"):
+        for name, model in models.items():
+            seconds, states[name] = prefill(model, ids)
+            runs[name]["prefill"].append(seconds)
+    names = list(models)
+    for index in tqdm(range(new_tokens), desc=f"{desc}: decode"):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds, states[name] = step(models[name], states[name])
+            runs[name]["decode"].append(seconds)
+    return runs
+
+
+def summary(runs: dict) -> dict:
+    """Each variant's runs with the prefill ratio (fastest repeat over plain's fastest) and the decode
+    ratio (plain's summed step time over the variant's), per clock."""
+    fastest = {name: {clock: min(r[clock] for r in run["prefill"]) for clock in CLOCKS} for name, run in runs.items()}
+    total = {name: {clock: sum(r[clock] for r in run["decode"]) for clock in CLOCKS} for name, run in runs.items()}
     return {
-        "prefill_cpu": cpu1 - cpu0,
-        "prefill_wall": wall1 - wall0,
-        "decode_cpu": (cpu2 - cpu1) / steps,
-        "decode_wall": (wall2 - wall1) / steps,
+        name: {
+            **runs[name],
+            **{f"prefill_ratio_{clock}": fastest[name][clock] / fastest[PLAIN][clock] for clock in CLOCKS},
+            **{f"decode_ratio_{clock}": total[PLAIN][clock] / total[name][clock] for clock in CLOCKS},
+            "prefill_cpu_s": fastest[name]["cpu"],
+            "decode_tokens_per_cpu_s": len(runs[name]["decode"]) / total[name]["cpu"],
+        }
+        for name in runs
     }
 
 
@@ -93,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help='"tiny" (the tiny trained model), "smollm2", or a checkpoint path')
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 12288, 32768])
-    parser.add_argument("--new-tokens", type=int, default=9, help="tokens generated after each prompt (at least 2)")
+    parser.add_argument("--new-tokens", type=int, default=9, help="greedy decode steps after the prompt")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--factor", type=float, default=4.0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -110,8 +141,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
-    if args.new_tokens < 2:
-        parser.error("--new-tokens must be at least 2: decode is timed between the first new token and the last")
+    if args.new_tokens < 1 or args.repeats < 1:
+        parser.error("--new-tokens and --repeats must be at least 1")
     try:
         specs = parse_specs(args.methods or list(rope_ext.methods()), [])
     except ValueError as error:
@@ -137,28 +168,13 @@ def main() -> None:
         "provenance": provenance(model, None if args.model == "smollm2" else given),
     }
     for length in args.lengths:
-        ids = stream[:, :length]
-        runs = {name: [] for name in models}
-        for _ in tqdm(range(args.repeats), desc=f"{length} tokens"):
-            for name, variant in models.items():
-                runs[name].append(timed_generate(variant, ids, args.new_tokens))
-        best = {name: {k: min(run[k] for run in r) for k in r[0]} for name, r in runs.items()}
-        plain = best[PLAIN]
-        results["lengths"][length] = {
-            name: {
-                "runs": runs[name],
-                **{f"prefill_ratio_{clock}": b[f"prefill_{clock}"] / plain[f"prefill_{clock}"] for clock in ("cpu", "wall")},
-                **{f"decode_ratio_{clock}": plain[f"decode_{clock}"] / b[f"decode_{clock}"] for clock in ("cpu", "wall")},
-                "prefill_cpu_s": b["prefill_cpu"],
-                "decode_tokens_per_cpu_s": 1 / b["decode_cpu"],
-            }
-            for name, b in best.items()
-        }
+        runs = measure(models, stream[:, :length], args.repeats, args.new_tokens, f"{length} tokens")
+        results["lengths"][length] = summary(runs)
 
     print(
-        f"\n{args.model}, window {results['window']}, factor {args.factor:g}, {args.dtype}, {args.new_tokens} new tokens, "
-        f"fastest of {args.repeats} (torch threads: {torch.get_num_threads()}). Prefill: seconds over plain's; "
-        "decode: tokens/s over plain's (below 1: slower)."
+        f"\n{args.model}, window {results['window']}, factor {args.factor:g}, {args.dtype}, torch threads "
+        f"{torch.get_num_threads()}. Prefill: fastest of {args.repeats}, seconds over plain's; decode: {args.new_tokens} "
+        "steps with the variants in turn, tokens/s over plain's (below 1: slower)."
     )
     header = ["method"]
     for length in args.lengths:
