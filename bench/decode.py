@@ -12,6 +12,9 @@ keeps the steps that cost more (a dynamic method's re-rotation when its scaling 
 CPU time of this process (`time.process_time`, all threads) and wall time. Every method runs at
 --factor with its default parameters (the dynamic ones with their causal schedule) unless
 --methods gives settings; a method that cannot be patched on the model is listed with the reason.
+Every variant's cache is held through the decode, so memory grows with the variants: SmolLM2's
+keys and values at 32k in bf16 are 0.75 GB, and a method that rotates inside attention keeps one
+or two rotated copies of the keys beside them (pick a few --methods at 32k on 24 GB).
 
     python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
