@@ -172,5 +172,11 @@ def test_a_forward_in_many_groups_says_once_what_it_costs(tiny_model):
     coarse = copy.deepcopy(tiny_model)
     rope_ext.patch(coarse, "dynamic", factor=4, granularity=2)
     rows = tiny_model.config.max_position_embeddings  # x's rows past the window
-    with pytest.warns(UserWarning, match=rf"in {rows // 2 + 1} groups \(the causal schedule at granularity 2.*about {2 * (rows // 2 + 1)} / g groups"), torch.no_grad():
+    with (
+        pytest.warns(
+            UserWarning,
+            match=rf"in {rows // 2 + 1} groups \(the causal schedule at granularity 2.*about {2 * (rows // 2 + 1)} / g groups",
+        ),
+        torch.no_grad(),
+    ):
         coarse(x)
