@@ -22,6 +22,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.arguments import DEFAULT_ROOT
@@ -49,6 +51,8 @@ HEADROOM = 1.25  # lambda_i <= 1.25 s, LongRoPE's upper bound
 MUTATION_RATE = 0.3  # the share of pairs a mutation moves
 MUTATION_SCALE = 0.1  # the spread of a move, in log(lambda)
 TRIES = 4  # draws for a child that was not evaluated before
+RELOAD_TOKENS = 64  # the reload check's probe runs this many tokens past the window
+RELOAD_TOLERANCE = 1e-5  # fp32 logits
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,17 @@ class Search:
         bar.close()
 
 
+@torch.no_grad()
+def reload_delta(model, checkpoint: Path, ids: torch.LongTensor, patch: Callable[..., None]) -> float:
+    """max |logit difference| in fp32 between plain transformers' load of `checkpoint` (its
+    `longrope` rope_parameters alone) and `model` (the weights saved there) patched by `patch` with
+    `causal=False`, on `ids`: past the window both use the long factors for every row."""
+    served = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval().to(ids.device)
+    model.float()
+    patch(causal=False)
+    return (served(ids).logits - model(ids).logits).abs().max().item()
+
+
 def setup_of(args: argparse.Namespace) -> dict:
     """What a resumed search must share with the one it continues."""
     keys = ("model", "factor", "length", "samples", "needle", "seed", "population", "dtype", "original_window")
@@ -278,6 +293,15 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     patch(best["long_factor"])
     model.save_pretrained(folder / CHECKPOINT)
     tokenizer.save_pretrained(folder / CHECKPOINT)
+    probe = prompts[0].ids[:, : geometry.original_window + RELOAD_TOKENS].to(next(model.parameters()).device)
+    delta = reload_delta(model, folder / CHECKPOINT, probe, lambda **params: patch(best["long_factor"], **params))
+    if delta > RELOAD_TOLERANCE:
+        warnings.warn(
+            f"plain transformers' load of {folder / CHECKPOINT} differs from rope-ext's longrope patch by {delta:.3g} "
+            f"(fp32 logits, {probe.shape[1]} tokens; tolerance {RELOAD_TOLERANCE:g}): an engine serving it from "
+            "config.json does not compute what the search scored",
+            stacklevel=2,
+        )
     result = {
         "long_factor": best["long_factor"],
         "loss": best["loss"],
@@ -288,9 +312,11 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         "factor": args.factor,
         "original_window": geometry.original_window,
         "checkpoint": str(folder / CHECKPOINT),
+        "reload": {"tokens": probe.shape[1], "max_abs_delta": delta},
     }
     (folder / BEST).write_text(json.dumps(result, indent=2) + "\n")
     print(
-        f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}"
+        f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}; "
+        f"plain transformers reloads it within {delta:.3g} of the patch (fp32 logits, {probe.shape[1]} tokens)"
     )
     return 0
