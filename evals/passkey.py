@@ -271,7 +271,9 @@ def markdown(result: dict, setup: dict) -> str:
         head += (
             f" Retained: accuracy / the unpatched model's {base['correct']}/{base['total']} (95% "
             + "{:.2f}-{:.2f}".format(*base["interval"])
-            + f") at its {base['length']}-token window ({base['path']})."
+            + f") at its {base['length']}-token window ({base['path']}"
+            + (f", trials 0-{base['trials'] - 1} of each depth" if "trials" in base else "")
+            + ")."
         )
     columns = ["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths", "correct", "95% interval"]
     return head + "\n\n" + output.markdown_table(columns + (["retained"] if base else []), rows)
@@ -400,7 +402,7 @@ def run(args: argparse.Namespace, plan) -> int:
     if baseline is not None:
         patch = loading.patched(model)
         window = patch.original_window if patch else loading.capacity(model)[0]
-        baseline = retrieval.baseline_summary(baseline, window, base_name(args, model))
+        baseline = retrieval.baseline_summary(baseline, window, base_name(args, model), args.trials)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
         loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")

@@ -6,7 +6,9 @@ retrieval survives the extension.
   passkey grids often are. Two methods whose intervals overlap are not told apart by the grid.
 - Retained retrieval: accuracy at length N under a method divided by the unpatched model's
   accuracy on the same depths, seed and trials at its trained window (the baseline run), so
-  1.0 means the patch retrieves at N what the model retrieves inside its own window.
+  1.0 means the patch retrieves at N what the model retrieves inside its own window. A run of
+  fewer trials than its baseline (10 prompts where a long prompt is dear, against a 20-prompt
+  baseline) is divided by the baseline's first trials of each depth, the same cells.
 """
 
 from __future__ import annotations
@@ -60,31 +62,33 @@ def read_baseline(path) -> dict:
 
 
 def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
-    """ValueError unless the baseline asked the same depths, trials and seed as this run."""
+    """ValueError unless the baseline asked the same depths and seed as this run, and at least its
+    trials (baseline_summary counts the first `trials` of each depth)."""
     setup = baseline["setup"]
     theirs = sorted({r["depth"] for r in baseline["trials"]})
     differ = [
         name
-        for name, a, b in (
-            ("depths", theirs, sorted(set(depths))),
-            ("trials", setup.get("trials"), trials),
-            ("seed", setup.get("seed"), seed),
+        for name, same in (
+            ("depths", theirs == sorted(set(depths))),
+            ("trials", isinstance(setup.get("trials"), int) and setup["trials"] >= trials),
+            ("seed", setup.get("seed") == seed),
         )
-        if a != b
+        if not same
     ]
     if differ:
         raise ValueError(
             f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
             f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}); "
-            "retained retrieval compares the same prompts' depths and keys' seed"
+            "retained retrieval compares the same prompts' depths and keys' seed, with at least this run's trials"
         )
 
 
-def baseline_summary(baseline: dict, window: int | None, base_model: str | None) -> dict:
+def baseline_summary(baseline: dict, window: int | None, base_model: str | None, trials: int) -> dict:
     """What a result records of its baseline: the file, its length (checked against the model's
-    trained window when known) and its counts. `base_model`: the name (setup's "model") of the
-    unpatched model this run extends, checked to be the baseline's; None where the run's
-    checkpoint does not record its base (a checkpoint saved patched)."""
+    trained window when known), the trials counted (its first `trials` of each depth, this run's)
+    and their counts. `base_model`: the name (setup's "model") of the unpatched model this run
+    extends, checked to be the baseline's; None where the run's checkpoint does not record its base
+    (a checkpoint saved patched)."""
     theirs = baseline["setup"].get("model")
     if base_model is not None and theirs != base_model:
         raise ValueError(
@@ -94,7 +98,8 @@ def baseline_summary(baseline: dict, window: int | None, base_model: str | None)
     length = baseline["trials"][0]["length"]
     if window is not None and length != window:
         raise ValueError(f"--baseline: {baseline['path']} was measured at {length} tokens, not at the trained window {window}")
-    return {"path": baseline["path"], "length": length, **counts(baseline["trials"])}
+    same = [r for r in baseline["trials"] if r["trial"] < trials]
+    return {"path": baseline["path"], "length": length, "trials": trials, **counts(same)}
 
 
 def retained(by_length: dict, base: dict) -> dict:

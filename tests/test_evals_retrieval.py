@@ -84,8 +84,13 @@ def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_
     assert "retained" in table and "95% interval" in table and f"{TRAINED}-token window" in table
 
 
-def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,), model=None):
-    trials_ = [{"length": n, "depth": d, "trial": t, "correct": True} for n in lengths for d in depths for t in range(trials)]
+def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,), model=None, wrong_from=None):
+    trials_ = [
+        {"length": n, "depth": d, "trial": t, "correct": wrong_from is None or t < wrong_from}
+        for n in lengths
+        for d in depths
+        for t in range(trials)
+    ]
     path.mkdir()
     (path / "passkey.json").write_text(
         json.dumps({"setup": {"model": model, "method": method, "trials": trials, "seed": seed}, "trials": trials_})
@@ -97,7 +102,7 @@ def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, len
     "change, words",
     [
         ({"depths": (0.5,)}, "other depths"),
-        ({"trials": 3}, "other trials"),
+        ({"trials": 1}, "other trials"),
         ({"seed": 7}, "other seed"),
         ({"method": "yarn"}, "the baseline is the unpatched model"),
         ({"lengths": (128, 256)}, "the baseline is one length"),
@@ -124,6 +129,21 @@ def test_a_baseline_that_does_not_match_is_refused_before_the_model_loads(no_mod
     ]
     assert cli.main(argv) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_run_of_fewer_trials_is_divided_by_the_baseline_s_same_trials(tiny_path, tmp_path):
+    """10 prompts at 64k against the 20-prompt baseline: the baseline's first trials of each depth
+    (the same cells) are counted, not all of them; here trials 2 and 3 of the baseline miss."""
+    base = baseline_file(tmp_path / "base", trials=4, model=tiny_path.name, wrong_from=2)
+    result = run_passkey(
+        tiny_path, tmp_path / "out", "--lengths", "256", "--method", "yarn", "--factor", "2", "--baseline", str(base)
+    )
+    assert result["baseline"]["trials"] == 2 and result["baseline"]["total"] == 4 and result["baseline"]["accuracy"] == 1.0
+    assert result["retained"]["256"] == result["by_length"]["256"]
+    assert (
+        "4/4" in (tmp_path / "out" / "passkey.md").read_text()
+        and "trials 0-1 of each depth" in (tmp_path / "out" / "passkey.md").read_text()
+    )
 
 
 def test_a_missing_baseline_is_refused_before_the_model_loads(no_model, tmp_path, capsys):
