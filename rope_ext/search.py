@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.arguments import DEFAULT_ROOT
-from rope_ext.evals import loading
+from rope_ext.evals import loading, output
 from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import as_size, check_factor, default_inv_freq
@@ -258,6 +258,7 @@ def check(args: argparse.Namespace) -> Path:
 
 def run(args: argparse.Namespace, folder: Path) -> int:
     model, tokenizer = loading.load_model(args.model, args.dtype, args.device)
+    record = output.provenance(model, args.model)
     probe = rope_ext.patch(model, "linear", factor=args.factor, original_window=args.original_window)
     geometry = RotaryGeometry(probe.rotary_dim, probe.base, probe.original_window, probe.layout, probe.head_dim)
     length = args.length or math.ceil(geometry.original_window * args.factor)
@@ -313,6 +314,7 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         "original_window": geometry.original_window,
         "checkpoint": str(folder / CHECKPOINT),
         "reload": {"tokens": probe.shape[1], "max_abs_delta": delta},
+        "provenance": record,
     }
     (folder / BEST).write_text(json.dumps(result, indent=2) + "\n")
     print(

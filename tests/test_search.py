@@ -40,6 +40,7 @@ def test_the_result_beats_yarn_on_held_out_needles_and_reloads(tiny_path, tiny_t
     assert len(records) == best["evaluations"] and min(r["loss"] for r in records) == best["loss"]
     assert best["loss"] < best["seed_losses"]["yarn"]
     assert best["reload"]["tokens"] == 128 + 64 and best["reload"]["max_abs_delta"] <= 1e-5
+    assert best["provenance"]["dtype"] == "float32" and best["provenance"]["model"] == str(tiny_path)
 
     held_out = needles(tiny_tokenizer, 512, 10, seed=1000, needle="words")
     yarn = load_llama(tiny_path)
