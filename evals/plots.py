@@ -190,3 +190,31 @@ def compare_figure(report: dict):
         _heatmap(fig, ax, table, sorted({n for row in table.values() for n in row}), "method", "prompt length (tokens)", title)
     fig.suptitle(f"{model_name(setup['model'])}: rope-ext compare")
     return fig
+
+
+def search_figure(records: list[dict], best: list[float], seeds: dict[str, list[float]], model: str):
+    """`rope-ext search`'s log: each evaluation's answer loss (log axis: PI's and NTK's losses are
+    tens of times the best), marked by how the candidate was made, with the best so far; beside
+    it the best factors per rotated pair against the seeds' (YaRN's, PI's, NTK's)."""
+    fig, (losses, factors) = plt.subplots(1, 2, figsize=(12, 4.5))
+    origins = sorted({r["origin"] for r in records})
+    for (marker, _), origin in zip(_styles(), origins):
+        mine = [r for r in records if r["origin"] == origin]
+        losses.scatter([r["evaluation"] for r in mine], [r["loss"] for r in mine], marker=marker, label=origin)
+    best_so_far = list(itertools.accumulate((r["loss"] for r in records), min))
+    losses.step([r["evaluation"] for r in records], best_so_far, where="post", color="black", label="best so far")
+    for previous, record in zip(records, records[1:]):
+        if record["generation"] != previous["generation"]:
+            losses.axvline(record["evaluation"] - 0.5, color="grey", linewidth=0.6, linestyle=":")
+    losses.set(yscale="log", xlabel="evaluation (dotted: a new generation)", ylabel="answer loss (nats / token)")
+    losses.xaxis.set_major_locator(MaxNLocator(integer=True))
+    losses.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    pairs = range(len(best))
+    for (marker, style), (name, values) in zip(_styles(), seeds.items()):
+        factors.plot(pairs, values, marker=marker, linestyle=style, markersize=3, label=name)
+    factors.plot(pairs, best, color="black", marker="o", markersize=4, label="best found")
+    factors.set(xlabel="rotated pair i (higher: lower frequency)", ylabel="rescale factor lambda_i")
+    factors.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.suptitle(f"{model_name(model)}: LongRoPE-style factor search, {len(records)} evaluations")
+    fig.tight_layout()
+    return fig

@@ -42,6 +42,7 @@ from rope_ext.method.rope import ntk, yarn
 
 LOG = "search.jsonl"
 BEST = "best.json"
+FIGURE = "search.png"
 CHECKPOINT = "checkpoint"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 NEEDLES = ("digits", "words")
@@ -317,6 +318,11 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         "provenance": record,
     }
     (folder / BEST).write_text(json.dumps(result, indent=2) + "\n")
+    from rope_ext.evals.plots import search_figure
+
+    search_figure(search.records, best["long_factor"], search.start, record["model"]).savefig(
+        folder / FIGURE, dpi=120, bbox_inches="tight"
+    )
     print(
         f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}; "
         f"plain transformers reloads it within {delta:.3g} of the patch (fp32 logits, {probe.shape[1]} tokens)"

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import rope_ext
 from rope_ext import cli
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.search import BEST, CHECKPOINT, LOG, answer_loss, crossover, legal, mutate, needles, seeds
+from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, crossover, legal, mutate, needles, seeds
 
 from helpers import cli_error_line, load_llama
 
@@ -41,6 +41,7 @@ def test_the_result_beats_yarn_on_held_out_needles_and_reloads(tiny_path, tiny_t
     assert best["loss"] < best["seed_losses"]["yarn"]
     assert best["reload"]["tokens"] == 128 + 64 and best["reload"]["max_abs_delta"] <= 1e-5
     assert best["provenance"]["dtype"] == "float32" and best["provenance"]["model"] == str(tiny_path)
+    assert (out / FIGURE).read_bytes().startswith(b"\x89PNG")
 
     held_out = needles(tiny_tokenizer, 512, 10, seed=1000, needle="words")
     yarn = load_llama(tiny_path)
