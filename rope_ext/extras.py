@@ -24,6 +24,7 @@ COMMANDS = {
     "eval passkey": ("eval", ("matplotlib",)),
     "compare": ("eval", ("matplotlib", "yaml")),
     "lm-eval": ("eval", ("lm_eval", "datasets")),
+    "search": ("plots", ("matplotlib",)),
     "finetune": ("finetune", EXTRAS["finetune"]),
 }
 

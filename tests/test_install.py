@@ -93,6 +93,7 @@ print(info.method, loaded)
         (["eval", "ppl", "--model", "MODEL", "--lengths", "64", "--output", "OUT"], "eval", "matplotlib"),
         (["compare", "--model", "MODEL", "--methods", "plain", "--lengths", "64", "--output", "OUT"], "eval", "matplotlib"),
         (["demo", "--output", "OUT"], "plots", "matplotlib"),
+        (["search", "--model", "MODEL", "--factor", "4", "--budget-minutes", "1", "--output", "OUT"], "plots", "matplotlib"),
         (["lm-eval", "--help"], "eval", "lm_eval"),
         (["finetune", "--config", "finetune_tiny.yaml"], "finetune", "datasets"),
     ],
