@@ -317,12 +317,11 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         "reload": {"tokens": probe.shape[1], "max_abs_delta": delta},
         "provenance": record,
     }
-    (folder / BEST).write_text(json.dumps(result, indent=2) + "\n")
+    results = output.ResultFolder(folder, "search", [BEST, FIGURE], overwrite=True)  # a resumed search rewrites both
+    results.write_json(BEST, result)
     from rope_ext.evals.plots import search_figure
 
-    search_figure(search.records, best["long_factor"], search.start, record["model"]).savefig(
-        folder / FIGURE, dpi=120, bbox_inches="tight"
-    )
+    results.save_figure(FIGURE, search_figure(search.records, best["long_factor"], search.start, record["model"]))
     print(
         f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}; "
         f"plain transformers reloads it within {delta:.3g} of the patch (fp32 logits, {probe.shape[1]} tokens)"
