@@ -51,6 +51,17 @@ class FamilyAdapter(ABC):
         config records (rope_ext.record.read, by the orchestration), or None: a model reloaded
         from a patched checkpoint takes its values from there."""
 
+    def shipped_params(self, site, record: dict, method: Method, given: dict) -> dict:
+        """The parameters of `method` that the checkpoint's own scaling states, for a patch that
+        replaces that scaling by a method of its type (`record` from `original_record`); the ones
+        in `given` are the user's. {}: none."""
+        return {}
+
+    def served_context(self, site, record: dict) -> int | None:
+        """How many tokens the checkpoint serves as loaded (a patch meant for fewer is refused
+        unless asked for); None where the family does not say."""
+        return None
+
     @abstractmethod
     def geometry(self, site, record: dict, verify: bool) -> RotaryGeometry:
         """The rotary geometry before any scaling; with `verify`, checked against the live module."""

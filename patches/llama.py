@@ -12,6 +12,7 @@ methods' attention transforms through the rope-ext attention wrapper."""
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,15 +23,33 @@ from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.attention_side import AttentionMethod
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq
 from rope_ext.method.dca import CONFIG_KEY, stated_sizes
-from rope_ext.record import Patch, config_values, restore, rope_parameters, write_native
+from rope_ext.record import Patch, config_values, restore, rope_parameters, served_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
+from rope_ext.shipped import (
+    EXTENDABLE,
+    WINDOW_KEYED,
+    ShippedScaling,
+    native_longrope,
+    served_context,
+    shipped_of,
+    with_shipped_base,
+)
 
 from .base import FamilyAdapter, unwrap
-from .probe import ATTENTION_REFUSAL, REASONS, Refused, Structure, formatted, probe, rotary_call, sub_config, typed
+from .probe import (
+    ATTENTION_REFUSAL,
+    REASONS,
+    Refused,
+    Structure,
+    attention_scaling,
+    formatted,
+    probe,
+    rotary_call,
+    sub_config,
+    typed,
+)
 
-# transformers scaling types that record the pretraining window in rope_parameters
-WINDOW_KEYED_TYPES = ("yarn", "llama3", "longrope")
 # positions spread over a window, at which a native form is checked against the patch
 PROBE_POSITIONS = 257
 
@@ -143,24 +162,51 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
-def set_softmax_scales(site: RotarySite, rope: dict) -> None:
-    """Set each attention module's softmax `scaling` to what its class sets at construction from the
+def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
+    """Each attention module's softmax `scaling` as its class sets it at construction from the
     model's config holding `rope`, for the modules that keep one and whose class builds from the
-    config (on the meta device: no weights). DeepSeek's MLA attention multiplies it by YaRN's mscale
-    of the config's factor and `mscale_all_dim`, so it follows the rope parameters; for the others
-    it is the head size's alone."""
+    config (on the meta device: no weights); None for the others, which keep their own value.
+    DeepSeek's MLA attention multiplies it by YaRN's mscale of the config's factor and
+    `mscale_all_dim`, so it follows the rope parameters; for the others it is the head size's alone."""
     config = copy.deepcopy(site.config)
     config.rope_parameters = rope
+    scales = []
     for module in site.attention + site.nope:
-        if not isinstance(getattr(module, "scaling", None), float):
-            continue
-        try:
-            with torch.device("meta"):
-                built = type(module)(config, getattr(module, "layer_idx", 0)).scaling
-        except Exception:  # a class that does not build from (config, layer_idx) keeps its own value
-            continue
-        if isinstance(built, float):
-            module.scaling = built
+        built = None
+        if isinstance(getattr(module, "scaling", None), float):
+            try:
+                with torch.device("meta"):
+                    built = type(module)(config, getattr(module, "layer_idx", 0)).scaling
+            except Exception:  # a class that does not build from (config, layer_idx) keeps its own value
+                pass
+        scales.append(built if isinstance(built, float) else None)
+    return scales
+
+
+def set_softmax_scales(site: RotarySite, rope: dict) -> None:
+    """Set each attention module's softmax `scaling` to what its class sets from `rope` (softmax_scales)."""
+    for module, scale in zip(site.attention + site.nope, softmax_scales(site, rope)):
+        if scale is not None:
+            module.scaling = scale
+
+
+def shipped_scaling(site: RotarySite, record: dict, original_cls: type) -> ShippedScaling | None:
+    """The scaling the checkpoint ships, read from its own rotary class built from the pre-patch
+    config values `record` (what the model computed before any patch, whatever dtype it was cast
+    to since), for a record whose base is the shipped scaling; None for a base of trained frequencies."""
+    base = record.get("starts_from") or {}
+    if base.get("scaling") is None:
+        return None
+    config = copy.deepcopy(site.config)
+    restore(config, record)
+    rotary = original_cls(config)
+    layer_type = site.layer_type
+    return ShippedScaling(
+        rope_type=base["scaling"],
+        inv_freq=tuple(getattr(rotary, typed("inv_freq", layer_type)).float().tolist()),
+        attention_factor=attention_scaling(rotary, layer_type),
+        window=int(record["original_window"]),
+    )
 
 
 class PassThrough(AttentionTransform):
@@ -202,33 +248,67 @@ class LlamaFamily(FamilyAdapter):
     def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         """The pre-patch config values (what unpatch restores, what geometry is read from) and
         whether the live rotary module was built from them; for a model reloaded from a patched
-        checkpoint, those of the patch `saved` its config records."""
+        checkpoint, those of the patch `saved` its config records.
+
+        The window the factor multiplies, and the base the method scales (`record["starts_from"]`):
+        `original_window=` replaces the shipped scaling by the method over the trained frequencies
+        at that (pretraining) window; without it, a checkpoint that ships a llama3, yarn or linear
+        scaling is extended from that scaling at the context it serves (rope_ext.shipped), and one
+        without a scaling from max_position_embeddings, unless a field states the window."""
         if (current := self.installed(site)) is not None:
             record = copy.deepcopy(current.original)
             if original_window is not None:
                 record["original_window"] = original_window
+                record.pop("starts_from", None)
             return record, False
         config = site.config
         record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else config_values(config)
         rope = site.rope_entry(record["rope_parameters"])
         rope_type = rope.get("rope_type", "default")
+        stated = rope.get("original_max_position_embeddings") if rope_type in WINDOW_KEYED else None
         if original_window is not None:
+            if stated is not None and stated != original_window:
+                raise ValueError(
+                    f"original_window={original_window} contradicts the checkpoint's {rope_type} scaling, whose "
+                    f"original_max_position_embeddings is {stated}; leave original_window out to extend the shipped model"
+                )
             record["original_window"] = original_window
         elif "original_window" in record:
             pass
         elif stated_window := stated_sizes(getattr(config, CONFIG_KEY, None)).get("original_max_position_embeddings"):
             # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
             record["original_window"] = stated_window
+            record["starts_from"] = {"scaling": None, "source": f"{CONFIG_KEY}.original_max_position_embeddings"}
         elif rope_type == "default":
             record["original_window"] = record["max_position_embeddings"]
-        elif rope_type in WINDOW_KEYED_TYPES and "original_max_position_embeddings" in rope:
-            record["original_window"] = rope["original_max_position_embeddings"]
+            record["starts_from"] = {"scaling": None, "source": "max_position_embeddings"}
+        elif rope_type in EXTENDABLE:
+            record["original_window"] = served_context(rope, record["max_position_embeddings"])
+            record["starts_from"] = {"scaling": rope_type, "source": "the shipped scaling"}
+        elif stated is not None:
+            raise ValueError(
+                f"this checkpoint ships a {rope_type!r} RoPE scaling, which changes its frequencies at its pretraining "
+                f"window ({stated} tokens), so no patch can extend it unchanged on both sides; pass original_window={stated} "
+                f"to replace it by the method over that window (with a factor that reaches the "
+                f"{record['max_position_embeddings']} tokens it serves)"
+            )
         else:
             raise ValueError(
                 f"this checkpoint already carries a {rope_type!r} RoPE scaling and does not record the window "
                 "it was pretrained with; pass original_window=<tokens> so the new factor has a meaning"
             )
         return record, not saved
+
+    def shipped_params(self, site: RotarySite, record: dict, method: Method, given: dict) -> dict:
+        if (record.get("starts_from") or {}).get("scaling") is not None:
+            return {}
+        rope = site.rope_entry(record["rope_parameters"])
+        if rope.get("rope_type") != method.name:
+            return {}
+        return {k: rope[k] for k in method.all_params if rope.get(k) is not None and k not in given}
+
+    def served_context(self, site: RotarySite, record: dict) -> int:
+        return served_context(site.rope_entry(record["rope_parameters"]), record["max_position_embeddings"])
 
     def geometry(self, site: RotarySite, record: dict, verify: bool) -> RotaryGeometry:
         """Geometry before any scaling, from `record`; with `verify`, checked against the live
@@ -275,6 +355,7 @@ class LlamaFamily(FamilyAdapter):
             kept = site.rotary if site.layer_type is not None else None
             device = getattr(site.rotary, typed("inv_freq", site.layer_type)).device
         config = getattr(site.rotary, "config", site.config)
+        spec = with_shipped_base(spec, shipped_scaling(site, record, original_cls))
         return ProbedRotaryEmbedding(
             spec, factor, params, geometry, original_cls, record, device, structure=site.structure, config=config, kept=kept
         )
@@ -288,9 +369,15 @@ class LlamaFamily(FamilyAdapter):
             return None
         rope = rotary.original["rope_parameters"]
         layer_type = rotary.structure.layer_type
-        return rotary.method.native(
-            rotary.geometry, rotary.factor, rotary.params, rope if layer_type is None else rope[layer_type]
-        )
+        rope = rope if layer_type is None else rope[layer_type]
+        if shipped_of(rotary.method) is not None:
+            # over a shipped scaling: the composed frequencies, where the method is a frequency
+            # change alone (a static one without attention transforms)
+            if rotary.dynamic or rotary.method.needs_attention_interface:
+                return None
+            max_length = math.ceil(rotary.geometry.original_window * rotary.factor)
+            return native_longrope(rotary.geometry, rotary.inv_freq, rotary.attention_scaling, max_length, rope)
+        return rotary.method.native(rotary.geometry, rotary.factor, rotary.params, rope)
 
     def layer_types(self, site: RotarySite) -> dict | None:
         """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per
@@ -334,17 +421,25 @@ class LlamaFamily(FamilyAdapter):
         native = self.native(rotary)
         if native is not None and not reads_back(site.config, native, rotary, max_length):
             native = None
+        original = rotary.original["rope_parameters"]
+        if shipped_of(rotary.method) is not None:
+            # The softmax scale is the shipped model's (DeepSeek's mscale_all_dim temperature reaches
+            # every channel of q.k): a native form must rebuild it, or there is none.
+            softmax = original
+            if native is not None:
+                written = rope_parameters(original, served_parameters(native), site.layer_type)
+                if softmax_scales(site, written) != softmax_scales(site, original):
+                    native = None
+        elif native is not None:
+            # The softmax scale follows the rope parameters the patch rotates by, as transformers
+            # builds it from them: the native form, or without one the trained frequencies (the
+            # checkpoint's scaling, its mscale included, is replaced, as its frequencies are).
+            softmax = rope_parameters(original, served_parameters(native), site.layer_type)
+        else:
+            softmax = rope_parameters(original, {"rope_type": "default"}, site.layer_type)
         # Written either way, so that a repatch writes what a first patch does.
         write_native(site.config, native, rotary.original, max_length, site.layer_type)
-        # The softmax scale follows the rope parameters the patch rotates by, as transformers
-        # builds it from them: the native form, or without one the trained frequencies (the
-        # checkpoint's scaling, its mscale included, is replaced, as its frequencies are).
-        rope = (
-            site.config.rope_parameters
-            if native is not None
-            else rope_parameters(site.config.rope_parameters, {"rope_type": "default"}, site.layer_type)
-        )
-        set_softmax_scales(site, rope)
+        set_softmax_scales(site, softmax)
         return native
 
     def uninstall(self, site: RotarySite) -> None:

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 # The transformers versions rope-ext accepts (docs/compatibility.md: .ci/floors tests the floor);
 # pyproject.toml pins the same range.
 TRANSFORMERS = ">=5.24,<6"
-NEWEST_TESTED = "5.24"  # the newest transformers minor release .ci/floors has passed on
+NEWEST_TESTED = "5.25"  # the newest transformers minor release .ci/floors has passed on
 
 
 def check_transformers(found: str) -> None:

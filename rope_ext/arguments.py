@@ -65,6 +65,8 @@ def named_methods(command: str, args: argparse.Namespace) -> list:
         return [spec.partition(":")[0] for spec in args.methods or []]
     if command == "demo":
         return [m.strip() for m in args.methods.split(",") if m.strip()]
+    if command == "patch":
+        return [args.method]
     return []
 
 
@@ -142,7 +144,8 @@ def model_arguments(parser, *, method: bool = True) -> None:
             "--original-window",
             type=int,
             default=None,
-            help="the pretraining window, for checkpoints whose config does not record it",
+            help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
+            "patch extends the model as loaded)",
         )
 
 
@@ -363,6 +366,32 @@ def convert_chatglm(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)"
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest weight file written (default 5GB)")
+
+
+def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", metavar="MODEL", help=f"local checkpoint folder, hub id, or {DEFAULT_MODEL} (the embedded SmolLM2)"
+    )
+    parser.add_argument("out", metavar="OUT", help="new (or empty) folder for the patched checkpoint")
+    parser.add_argument("--method", required=True, help=METHOD_HELP)
+    parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="method parameter, repeatable (e.g. --param beta_fast=16; a list as --param long_factor=[1.0,1.5])",
+    )
+    parser.add_argument(
+        "--original-window",
+        type=int,
+        default=None,
+        help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
+        "patch extends the model as loaded, from its shipped scaling and the context it serves)",
+    )
+    parser.add_argument(
+        "--allow-shrink", action="store_true", help="accept a patch meant for fewer tokens than the checkpoint serves"
+    )
 
 
 def search(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,11 @@ from rope_ext import arguments, extras
 # name -> (module, its arguments in rope_ext.arguments, one-line help); "eval X" commands are nested under `eval`
 COMMANDS = {
     "demo": ("rope_ext.demo", arguments.demo, "SmolLM2 past its window: plain vs patched perplexity (offline)"),
+    "patch": (
+        "rope_ext.patch_checkpoint",
+        arguments.patch_checkpoint,
+        "write a patched checkpoint (weights untouched) and say what each engine serves from it",
+    ),
     "methods": ("rope_ext.cli", arguments.no_arguments, "list the scaling methods and their parameters"),
     "env": ("rope_ext.cli", arguments.no_arguments, "versions, device, bf16 support and threads, for bug reports"),
     "eval ppl": ("rope_ext.evals.perplexity", arguments.perplexity, "sliding-window perplexity of long documents"),

@@ -11,9 +11,13 @@
     record.write(config, ...)                   so that a reload or an unpatch reproduces exactly
 
 Meaning of repeated patches: `factor` is always relative to the model's *original* window.
-Patching a patched model replaces the patch (it never compounds). A checkpoint that already
-carries a yarn/llama3/longrope scaling is patched relative to the pretraining window that scaling
-records; one carrying linear/dynamic scaling records no window, so `original_window=` is required.
+Patching a patched model replaces the patch (it never compounds).
+
+The base a patch starts from is the model as loaded (docs/shipped.md): a checkpoint that ships a
+llama3, yarn or linear scaling is extended from that scaling, its factor relative to the context
+the checkpoint serves; `original_window=` replaces the shipped scaling instead, the factor then
+relative to that pretraining window. A patch meant for fewer tokens than the checkpoint serves is
+refused unless `allow_shrink=True`.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
 from .method.base import as_size
-from . import record
+from . import record, serving
 from .patches import find_adapter
 from .record import Patch
+from .shipped import shipped_of
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,11 @@ class PatchInfo:
     whose rotary frequencies are kept per layer type (Gemma 3, OLMo 3, ...): the types whose
     frequencies the patch replaces ("patched": the full-attention layers) and keeps ("kept"),
     and of a model with several rotary modules (Granite-SWA) the modules too ("rotary": patched,
-    kept, unused); None for a model with one set, which `to_dict` leaves out."""
+    kept, unused); None for a model with one set, which `to_dict` leaves out. `starts_from` is what
+    the patch extends: "scaling", the shipped rope type it extends (None: the trained frequencies),
+    "window", the window `factor` multiplies, "source", where that window comes from
+    ("original_window=", "the shipped scaling", "max_position_embeddings", ...), and of a shipped
+    scaling its "attention_factor"."""
 
     method: str
     factor: float
@@ -59,6 +68,7 @@ class PatchInfo:
     native: dict | None
     notes: dict
     layer_types: dict | None
+    starts_from: dict
 
     def to_dict(self) -> dict:
         info = asdict(self)
@@ -78,23 +88,34 @@ def patch(
     factor: float | None = None,
     *,
     original_window: int | None = None,
+    allow_shrink: bool = False,
     _saved: Patch | None = None,
     **params,
 ) -> PatchInfo:
-    """Replace the model's rotary embedding with `method` at `factor` x its original window.
+    """Replace the model's rotary embedding with `method` at `factor` x its original window: the
+    context the checkpoint serves, extended from its shipped scaling, or with `original_window=`,
+    that pretraining window, the shipped scaling replaced (its own parameters, such as gpt-oss's
+    truncate or DeepSeek's mscale, are the defaults of a method of the same type).
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
-    that is not a finite number > 1, or a model rope-ext does not support.
+    that is not a finite number > 1, a model rope-ext does not support, or a patch meant for fewer
+    tokens than the checkpoint serves without `allow_shrink=True`.
 
     `_saved` is reapply's: the patch the model's config records, which it has read already. (A
     parameter rather than an inner function, so that a method's warning from `resolve` points at
     the caller of `patch`.)"""
+    given = dict(params)
     spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
+    if not isinstance(allow_shrink, bool):
+        raise ValueError(f"allow_shrink must be True or False, got {allow_shrink!r}")
     adapter, site = _site(model)
     saved = record.read(site.config) if _saved is None else _saved
     original, built_from_original = adapter.original_record(site, original_window, saved)
+    if _saved is None and (inherited := adapter.shipped_params(site, original, spec, given)):
+        # the shipped scaling's own parameters re-applied (gpt-oss's truncate, DeepSeek's mscale)
+        spec, factor, params = methods.check(method, factor, {**inherited, **given})
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
     if spec.needs_attention_interface and not facts.attention_interface:
@@ -104,11 +125,34 @@ def patch(
         )
     factor, params = spec.resolve(facts, geometry, factor, params)
     applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
+    served = adapter.served_context(site, original)
+    if _saved is None and served is not None and applied.max_length < served and not allow_shrink:
+        raise ValueError(
+            f"{method} x{factor:g} over a {applied.original_window}-token window is meant for {applied.max_length} tokens, "
+            f"fewer than the {served} this checkpoint serves as loaded; leave original_window out to extend the shipped "
+            "model, raise the factor, or pass allow_shrink=True to read less"
+        )
     rotary = adapter.build(site, spec, factor, params, geometry, original)
     transforms = spec.attention(rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
 
     # Everything that can fail has run; from here on the model changes.
+    starts_from = {
+        "scaling": None,
+        "window": applied.original_window,
+        "source": "original_window=",
+        **original.get("starts_from", {}),
+    }
+    if shipped := shipped_of(rotary.method):
+        starts_from["attention_factor"] = shipped.attention_factor
+    if _saved is None and starts_from["source"] == "max_position_embeddings":
+        warnings.warn(
+            f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "
+            "(no scaling or other config field states it); if the model was trained on fewer, pass "
+            "original_window=<tokens>",
+            UserWarning,
+            stacklevel=2,
+        )
     native = adapter.install(site, rotary, transforms, applied.max_length)
     config = site.config
     record.write(config, applied)
@@ -129,6 +173,7 @@ def patch(
         native=native,
         notes=notes,
         layer_types=applied.layer_types,
+        starts_from=starts_from,
     )
 
 
@@ -190,6 +235,16 @@ class PatchedModel:
                 UserWarning,
                 stacklevel=2,
             )
+        else:
+            found = serving.verdicts(serving.written(self.model), installed_patch(self.model), installed_rotary(self.model), True)
+            differ = {engine: verdict for engine, verdict in found.items() if verdict != "as patched"}
+            if differ:
+                listed = "; ".join(f"{engine} {verdict}" for engine, verdict in differ.items())
+                warnings.warn(
+                    f"rope_ext: transformers reloads this checkpoint as patched, but {listed} (docs/serving.md)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         return type(self.model).save_pretrained(self.model, *args, **kwargs)
 
     def _get_stopping_criteria(self, *args, **kwargs):

@@ -33,6 +33,7 @@ from pathlib import Path
 from .geometry import RotaryGeometry
 from .method import REGISTRY
 from .method.rope import yarn_mscale
+from .shipped import QUERY_SCALE_KEY, WINDOW_KEYED
 
 CONFIG_KEY = "rope_ext"
 CONFIG_VERSION = 1
@@ -100,8 +101,19 @@ class Patch:
 
     @property
     def max_length(self) -> int:
-        """The length the patched model is meant for."""
-        return math.ceil(self.original_window * self.factor)
+        """The length the patched model is meant for: the window times the factor, or for the
+        checkpoint's own scaling re-applied, what the checkpoint serves (Llama 3.1's llama3 x8 over
+        8192 tokens serves 131072)."""
+        length = math.ceil(self.original_window * self.factor)
+        shipped = self.original.get("rope_parameters")
+        if (
+            isinstance(shipped, dict)
+            and shipped.get("rope_type") == self.method
+            and shipped.get("factor") == self.factor
+            and shipped.get("original_max_position_embeddings") == self.original_window
+        ):
+            return max(length, self.original["max_position_embeddings"])
+        return length
 
     def original_values(self, *keys: str) -> dict:
         """A copy of `original`, after checking that it holds `keys`."""
@@ -157,6 +169,10 @@ def rope_parameters(original: dict, native: dict, layer_type: str | None = None)
     target = rope[layer_type] if nested else rope
     for key in SCALING_KEYS - native.keys():
         target.pop(key, None)
+    if native.get("rope_type") not in WINDOW_KEYED and QUERY_SCALE_KEY not in target:
+        # a pretraining window the written type does not read: transformers logs it as an unknown
+        # key at every load and SGLang caps the context at it (ministral3 reads it for its query scale)
+        target.pop("original_max_position_embeddings", None)
     target.update(copy.deepcopy(native))
     return rope
 
@@ -192,7 +208,9 @@ def write_native(config, native: dict | None, original: dict, max_length: int, l
         return
     served = served_parameters(native)
     config.rope_parameters = rope_parameters(original["rope_parameters"], served, layer_type)
-    config.max_position_embeddings = served_window(served, max_length)
+    # Of parameters nested per layer type no engine multiplies max_position_embeddings by a factor
+    # (vLLM skips it for gemma3, SGLang reads the top-level dict, which holds none): it is the length.
+    config.max_position_embeddings = max_length if layer_type is not None else served_window(served, max_length)
     if "head_dim" in original:
         # transformers' dynamic and yarn frequencies read config.head_dim without falling back
         config.head_dim = config.hidden_size // config.num_attention_heads
@@ -201,7 +219,7 @@ def write_native(config, native: dict | None, original: dict, max_length: int, l
 def restore(config, original: dict) -> None:
     """Put back the config values `config_values` read (a patch's `original`)."""
     for key, value in original.items():
-        if key != "original_window":
+        if key not in ("original_window", "starts_from"):
             setattr(config, key, copy.deepcopy(value))
 
 

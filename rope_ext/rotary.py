@@ -33,6 +33,7 @@ from . import method as methods
 from .geometry import RotaryGeometry
 from .method.base import SCHEDULE_PARAMS, Method
 from .rotation import RotationFrame, cos_sin
+from .shipped import ShippedScaling, shipped_of, with_shipped_base
 
 
 def position_geometry(geometry: RotaryGeometry, ratio: float) -> RotaryGeometry:
@@ -66,16 +67,17 @@ def with_position_ratio(method: Method, ratio: float) -> Method:
     return replace(method, fn=PositionRatio(method.fn, ratio))
 
 
-def method_reference(method: Method) -> tuple[str, float]:
-    """(name, position ratio): what `referenced_method` rebuilds `method` from. A Method holds
-    functions that pickle does not take (lambdas, closures), so a patched model pickles this."""
-    return method.name, method.fn.ratio if isinstance(method.fn, PositionRatio) else 1.0
+def method_reference(method: Method) -> tuple[str, float, ShippedScaling | None]:
+    """(name, position ratio, shipped scaling): what `referenced_method` rebuilds `method` from. A
+    Method holds functions that pickle does not take (lambdas, closures), so a patched model
+    pickles this."""
+    return method.name, method.fn.ratio if isinstance(method.fn, PositionRatio) else 1.0, shipped_of(method)
 
 
-def referenced_method(reference: tuple[str, float], params: dict) -> Method:
+def referenced_method(reference: tuple, params: dict) -> Method:
     """The method `method_reference` named, bound to `params` as the patch bound it."""
-    name, ratio = reference
-    return with_position_ratio(methods.get(name, params), ratio)
+    name, ratio, shipped = reference
+    return with_shipped_base(with_position_ratio(methods.get(name, params), ratio), shipped)
 
 
 class KeyPositions:

@@ -80,8 +80,8 @@ def twin_of(model, config):
 
 def unscaled(model):
     """`model` with the RoPE scaling its config carries (yarn, llama3...) taken off: the pretrained
-    rotation every patch is defined on (rope_ext.patching: a patch replaces a checkpoint's scaling,
-    relative to the window that scaling records). The other rope_parameters stay, since some models
+    rotation a patch with original_window= is defined on (rope_ext.patching: such a patch replaces
+    the checkpoint's scaling, relative to that window). The other rope_parameters stay, since some models
     read them outside the rotary module (ministral3's llama_4_scaling_beta)."""
     text = rope_config(model.config)
     # nested per layer type: the full-attention entry is the one a patch replaces (patches/probe.py)
@@ -138,7 +138,9 @@ def check(model, tmp_path, refusals: dict, **given) -> str | None:
     if not torch.equal(logits(patched, inside), reference):
         return "yarn: unpatch is not exact"
 
-    trained = logits(unscaled(plain), inside)
+    # Extending the checkpoint as loaded, attention-side methods leave its logits inside its window;
+    # replacing its scaling (original_window=), those of the trained rotation without the scaling.
+    trained = logits(unscaled(plain), inside) if "original_window" in given else reference
     for method in ATTENTION_SIDE:
         patched = copy.deepcopy(plain)
         try:

@@ -1,20 +1,30 @@
-"""The checkpoints users load most, from configs shaped like their published config.json (issue #26,
-item 5): the rope_parameters, window and attention options each checkpoint ships, shrunk to the
-census's tiny size (window 64 where the checkpoint's pretraining window is recorded). Each is put
-through the census's check (tests/test_census.py): yarn equal to transformers' natively configured
-twin, attention-side methods exact inside the window or refused with a listed reason, decode equal to
-the full forward, save/reload and unpatch exact. A checkpoint that already carries a scaling is
-patched relative to the pretraining window that scaling records."""
+"""The checkpoints users load most, from configs shaped like their published config.json (issues
+#26 and #37): the rope_parameters, window and attention options each checkpoint ships, every length
+divided by one ratio per checkpoint so that its pretraining window is the census's tiny window (64),
+on the census's tiny size. Each is put through the census's check (tests/test_census.py): yarn
+equal to transformers' natively configured twin, attention-side methods exact inside the window or
+refused with a listed reason, decode equal to the full forward, save/reload and unpatch exact.
+
+A checkpoint that ships a scaling is extended from the model as loaded (rope_ext.shipped): its
+frequencies and temperature are the base, the context it serves is the window, no patch reads less
+without being asked, and re-applying its own scaling with original_window= gives it bit for bit."""
 
 from __future__ import annotations
 
+import copy
+import json
+import warnings
+
 import pytest
-from test_census import WINDOW, check, tiny
+import torch
+from test_census import WINDOW, check, ids, logits, tiny
 
 import rope_ext
+from rope_ext.shipped import served_context
 
 SHAPES = {
-    # meta-llama/Llama-3.1-8B: llama3 x8 over an 8192-token pretraining window, theta 500000
+    # meta-llama/Llama-3.1-8B config.json: max_position_embeddings 131072, rope_theta 500000, llama3
+    # {factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192} (ratio 128)
     "llama-3.1": (
         "llama",
         {
@@ -29,7 +39,8 @@ SHAPES = {
             },
         },
     ),
-    # Qwen/Qwen2.5-7B-Instruct with the yarn block its model card adds for 128k
+    # Qwen/Qwen2.5-7B-Instruct config.json (max_position_embeddings 32768, rope_theta 1e6) with the
+    # yarn block its model card adds for 128k: {factor 4, original_max_position_embeddings 32768} (ratio 512)
     "qwen2.5-yarn": (
         "qwen2",
         {
@@ -42,6 +53,15 @@ SHAPES = {
             },
             "use_sliding_window": False,
         },
+    ),
+    # Qwen/Qwen3-8B config.json: max_position_embeddings 40960, rope_theta 1e6, no scaling; its model
+    # card states a native context of 32768 (ratio 512: 80 over 64), which no config field says
+    "qwen3": ("qwen3", {"max_position_embeddings": WINDOW * 40960 // 32768, "rope_parameters": {"rope_theta": 1000000.0}}),
+    # mistralai/Mistral-Nemo-Base-2407 config.json: max_position_embeddings 1024000, rope_theta 1e6,
+    # head_dim 128, no scaling, for a 128k training context (its model card; ratio 2048: 500 over 64)
+    "mistral-nemo": (
+        "mistral",
+        {"max_position_embeddings": 1024000 // 2048, "sliding_window": None, "rope_parameters": {"rope_theta": 1000000.0}},
     ),
     # mistralai/Mistral-7B-v0.1: a 4096-token sliding window in every layer
     "mistral-swa": (
@@ -61,15 +81,16 @@ SHAPES = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
-    # google/gemma-3-4b-it's text model: linear x8 on the global layers over a 32768-token window
-    # (a linear scaling records no window: original_window= below), local layers at theta 1e4
+    # google/gemma-3-4b-it config.json, text_config: max_position_embeddings 131072, linear {factor 8}
+    # on the global layers (rope_theta 1e6) over a 32768-token pretraining window, local layers at
+    # rope_local_base_freq 1e4 (ratio 512; the sliding window kept shorter than the window, as 1024 is)
     "gemma-3": (
         "gemma3_text",
         {
             "sliding_window": WINDOW // 2,
             "query_pre_attn_scalar": 16,
             "layer_types": ["sliding_attention", "full_attention"],
-            "max_position_embeddings": WINDOW * 8,
+            "max_position_embeddings": WINDOW * 4,
             "rope_parameters": {
                 "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -77,6 +98,7 @@ SHAPES = {
         },
     ),
     # microsoft/Phi-3.5-mini-instruct: longrope short/long factor lists over a 4096-token window
+    # (shortened to the tiny head's 8 pairs; the published lists have 48 entries, for head_dim 96)
     "phi-3.5-mini": (
         "phi3",
         {
@@ -92,6 +114,25 @@ SHAPES = {
             },
         },
     ),
+    # deepseek-ai/DeepSeek-V3 config.json: max_position_embeddings 163840, rope_theta 10000, yarn
+    # {factor 40, beta_fast 32, beta_slow 1, mscale 1.0, mscale_all_dim 1.0,
+    # original_max_position_embeddings 4096} (ratio 64)
+    "deepseek-v3": (
+        "deepseek_v3",
+        {
+            "max_position_embeddings": WINDOW * 40,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 40.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "original_max_position_embeddings": WINDOW,
+            },
+        },
+    ),
     # HuggingFaceTB/SmolLM3-3B: every fourth layer without RoPE
     "smollm3": (
         "smollm3",
@@ -101,7 +142,9 @@ SHAPES = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
         },
     ),
-    # openai/gpt-oss-20b: yarn x32 over 4096 (truncate off), learned sinks, alternating sliding layers
+    # openai/gpt-oss-20b config.json: max_position_embeddings 131072, rope_theta 150000, yarn {factor 32,
+    # beta_fast 32, beta_slow 1, truncate false, original_max_position_embeddings 4096} (ratio 64),
+    # learned sinks, sliding (128) and full layers alternating
     "gpt-oss": (
         "gpt_oss",
         {
@@ -123,40 +166,206 @@ SHAPES = {
 
 # Attention-side methods each shape refuses, by the reason key (patches/probe.py REASONS, or the
 # methods' own refusal of sliding-window layers); every other method patches it exactly.
-# what patch() needs of a shape: a linear scaling records no pretraining window
-GIVEN = {"gemma-3": {"original_window": WINDOW}}
+# What patch() needs of a shape: Phi-3.5's longrope switches frequency sets at its pretraining
+# window, so no patch extends it unchanged; it is replaced, over that window, by a patch meant
+# for fewer tokens than it serves (x4 where it serves x32), which must be asked for.
+GIVEN = {"phi-3.5-mini": {"original_window": WINDOW, "allow_shrink": True}}
 REFUSED = {
     "gemma-3": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "mistral-swa": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "gemma-2": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
     "gpt-oss": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
 }
+# shapes that ship a scaling a patch extends, and the context each serves as loaded
+EXTENDED = {
+    "llama-3.1": WINDOW * 16,
+    "qwen2.5-yarn": WINDOW * 4,
+    "gemma-3": WINDOW * 4,
+    "deepseek-v3": WINDOW * 40,
+    "gpt-oss": WINDOW * 32,
+}
+# each shipped scaling re-applied with original_window=: (method, factor)
+OWN = {"llama-3.1": ("llama3", 8.0), "qwen2.5-yarn": ("yarn", 4.0), "deepseek-v3": ("yarn", 40.0), "gpt-oss": ("yarn", 32.0)}
+
+
+def model_of(shape: str):
+    model_type, config = SHAPES[shape]
+    return tiny(model_type, **config)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_published_shapes_are_patched_exactly(shape, tmp_path):
     from test_census import method_reason
 
-    model_type, config = SHAPES[shape]
-    model = tiny(model_type, **config)
+    model = model_of(shape)
     assert model is not None, f"{shape} does not build"
     refusals = {}
-    assert check(model, tmp_path, refusals, **GIVEN.get(shape, {})) is None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "rope_ext: the trained window is taken")
+        assert check(model, tmp_path, refusals, **GIVEN.get(shape, {})) is None
     assert {method: method_reason(message) for method, message in refusals.items()} == REFUSED.get(shape, {})
 
 
-@pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn", "phi-3.5-mini", "gpt-oss"])
-def test_a_scaled_checkpoint_is_patched_relative_to_its_pretraining_window(shape):
-    model_type, config = SHAPES[shape]
-    info = rope_ext.patch(tiny(model_type, **config), "yarn", factor=8)
-    assert (info.original_window, info.max_length) == (WINDOW, 8 * WINDOW)
+@pytest.mark.parametrize("shape", sorted(EXTENDED))
+def test_a_shipped_scaling_is_the_base_and_its_context_the_window(shape):
+    model = model_of(shape)
+    info = rope_ext.patch(model, "yarn", factor=4)
+    served = EXTENDED[shape]
+    scaling = "linear" if shape == "gemma-3" else SHAPES[shape][1]["rope_parameters"]["rope_type"]
+    assert (info.original_window, info.max_length) == (served, 4 * served)
+    assert info.starts_from["scaling"] == scaling and info.starts_from["source"] == "the shipped scaling"
 
 
-@pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn", "phi-3.5-mini", "gpt-oss"])
+@pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn"])
+@pytest.mark.parametrize("method", ["self_extend", "rerope", "dca", "sink_window"])
+def test_attention_side_methods_leave_the_shipped_model_inside_its_whole_window(shape, method):
+    """At the full context the checkpoint serves (16x and 4x the pretraining window), not at 8 tokens."""
+    model = model_of(shape)
+    x = ids(EXTENDED[shape])
+    shipped = logits(model, x)
+    rope_ext.patch(model, method, factor=4)
+    assert torch.equal(logits(model, x), shipped)
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn"])
+def test_string_rotates_with_the_shipped_frequencies(shape):
+    """STRING is exact below its shift S (past it, distances move by design); over a shipped scaling
+    it rotates with the shipped frequencies, as its authors run it over Llama 3.1's llama3."""
+    model = model_of(shape)
+    info = rope_ext.patch(copy.deepcopy(model), "string", factor=1)
+    x = ids(info.params["shift"])
+    patched = copy.deepcopy(model)
+    rope_ext.patch(patched, "string", factor=1)
+    assert torch.equal(logits(patched, x), logits(model, x))
+
+
+@pytest.mark.parametrize("shape", sorted(OWN))
+def test_the_shipped_scaling_re_applied_is_the_shipped_model(shape, tmp_path):
+    """With original_window= a method of the shipped type replaces the scaling; the shipped
+    parameters (gpt-oss's truncate false, DeepSeek's mscale and mscale_all_dim, whose softmax
+    temperature reaches every channel) are its defaults, and the patch is the checkpoint bit for bit,
+    past the pretraining window too."""
+    model = model_of(shape)
+    x = ids(3 * WINDOW, seed=2)
+    shipped = logits(model, x)
+    method, factor = OWN[shape]
+    info = rope_ext.patch(model, method, factor=factor, original_window=WINDOW)
+    assert torch.equal(logits(model, x), shipped)
+    assert info.max_length == max(EXTENDED[shape], int(WINDOW * factor)) and info.native is not None
+    model.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["max_position_embeddings"] == info.max_length
+
+
+def test_deepseek_s_temperature_was_lost_without_its_mscale():
+    """The test above can fail: the same patch without DeepSeek's mscale keys moves the temperature."""
+    model = model_of("deepseek-v3")
+    x = ids(3 * WINDOW, seed=2)
+    shipped = logits(model, x)
+    rope_ext.patch(model, "yarn", factor=40.0, original_window=WINDOW, mscale=None, mscale_all_dim=None)
+    assert not torch.equal(logits(model, x), shipped)
+
+
+@pytest.mark.parametrize("shape", sorted(EXTENDED))
+def test_a_patch_that_reads_less_than_the_checkpoint_is_refused_unless_asked(shape):
+    model = model_of(shape)
+    before = copy.deepcopy(model.config.to_dict())
+    with pytest.raises(ValueError, match="fewer than the .* this checkpoint serves"):
+        rope_ext.patch(model, "yarn", factor=2, original_window=WINDOW)
+    assert model.config.to_dict() == before and rope_ext.describe(model) is None
+    info = rope_ext.patch(model, "yarn", factor=2, original_window=WINDOW, allow_shrink=True)
+    assert info.max_length == 2 * WINDOW and info.starts_from == {"scaling": None, "window": WINDOW, "source": "original_window="}
+
+
+def test_a_window_that_contradicts_the_shipped_scaling_is_refused():
+    model = model_of("llama-3.1")
+    with pytest.raises(ValueError, match="contradicts the checkpoint's llama3 scaling"):
+        rope_ext.patch(model, "yarn", factor=64, original_window=WINDOW // 2)
+    assert rope_ext.describe(model) is None
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "mistral-nemo"])
+def test_a_window_taken_from_max_position_embeddings_alone_is_stated(shape):
+    model = model_of(shape)
+    with pytest.warns(UserWarning, match="taken as .* from max_position_embeddings alone"):
+        info = rope_ext.patch(model, "yarn", factor=4)
+    assert info.starts_from["source"] == "max_position_embeddings"
+    assert info.original_window == SHAPES[shape][1]["max_position_embeddings"]
+    rope_ext.unpatch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the card's window, stated: no warning
+        stated = rope_ext.patch(model, "yarn", factor=8, original_window=WINDOW)
+    assert stated.original_window == WINDOW and stated.starts_from["source"] == "original_window="
+
+
+def test_a_shipped_longrope_is_refused_with_the_way_to_replace_it():
+    model = model_of("phi-3.5-mini")
+    with pytest.raises(ValueError, match=f"pass original_window={WINDOW}"):
+        rope_ext.patch(model, "yarn", factor=4)
+    assert rope_ext.describe(model) is None
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn"])
+def test_an_extension_of_a_shipped_scaling_is_written_as_one_longrope(shape, tmp_path):
+    """llama3 (or yarn) then yarn: one longrope type with equal short and long lists and an explicit
+    attention factor, which plain transformers reloads bit for bit past the shipped window."""
+    from transformers import AutoModelForCausalLM
+
+    model = model_of(shape)
+    info = rope_ext.patch(model, "yarn", factor=2)
+    assert info.native["rope_type"] == "longrope" and info.native["short_factor"] == info.native["long_factor"]
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["max_position_embeddings"] == info.max_length
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = ids(EXTENDED[shape] + 40, seed=3)
+    assert torch.equal(logits(plain, x), logits(model, x))
+
+
+@pytest.mark.parametrize("shape", sorted(EXTENDED))
 def test_unpatch_gives_back_the_checkpoint_s_own_scaling(shape):
-    model_type, config = SHAPES[shape]
-    model = tiny(model_type, **config)
-    shipped = dict(model.config.rope_parameters)
+    model = model_of(shape)
+    x = ids(2 * WINDOW, seed=4)
+    shipped, rope = logits(model, x), copy.deepcopy(model.config.rope_parameters)
     rope_ext.patch(model, "yarn", factor=8)
     rope_ext.unpatch(model)
-    assert model.config.rope_parameters == shipped
+    assert model.config.rope_parameters == rope and torch.equal(logits(model, x), shipped)
+
+
+def verdicts_of(model, info) -> dict:
+    from rope_ext import serving
+    from rope_ext.patching import installed_patch, installed_rotary
+
+    return serving.verdicts(serving.written(model), installed_patch(model), installed_rotary(model), info.native is not None)
+
+
+@pytest.mark.parametrize(
+    "shape, method, factor, given",
+    [
+        ("llama-3.1", "yarn", 2.0, {}),
+        ("qwen2.5-yarn", "ntk", 2.0, {}),
+        ("gemma-3", "yarn", 2.0, {}),
+        ("gemma-3", "linear", 4.0, {"original_window": WINDOW}),
+        ("deepseek-v3", "yarn", 40.0, {"original_window": WINDOW}),
+        ("gpt-oss", "yarn", 32.0, {"original_window": WINDOW}),
+    ],
+)
+def test_the_engines_serve_these_shapes_as_patched(shape, method, factor, given):
+    """Gemma 3's linear writes the length itself (no engine multiplies a factor nested per layer
+    type); DeepSeek's own yarn is what the engines' deepseek_yarn computes."""
+    model = model_of(shape)
+    info = rope_ext.patch(model, method, factor=factor, **given)
+    assert model.config.max_position_embeddings == info.max_length
+    assert set(verdicts_of(model, info).values()) == {"as patched"}
+
+
+def test_the_engines_rewrite_deepseek_s_other_rope_types(tmp_path):
+    """vLLM and SGLang serve any DeepSeek-V2/V3 rope type but default as deepseek_yarn: a linear
+    patch does not load in vLLM and is YaRN in SGLang; the save says so."""
+    model = model_of("deepseek-v3")
+    info = rope_ext.patch(model, "linear", factor=40.0, original_window=WINDOW)
+    found = verdicts_of(model, info)
+    assert found["vLLM 0.30-0.34"].endswith("needs original_max_position_embeddings: the checkpoint does not load")
+    assert found["SGLang 0.5.23"] == "not as patched: it serves DeepSeek's linear as deepseek_yarn"
+    with pytest.warns(UserWarning, match="SGLang 0.5.23 not as patched: it serves DeepSeek's linear as deepseek_yarn"):
+        model.save_pretrained(tmp_path)

@@ -352,3 +352,39 @@ def test_passkey_share_prefix_reads_the_patch_a_checkpoint_was_saved_with_before
     capsys.readouterr()
     argv = ["eval", "passkey", "--model", str(tmp_path / "ckpt"), "--share-prefix", "--output", str(tmp_path / "k")]
     assert "--share-prefix: sink_window lets keys go" in cli_error_line(argv, capsys)
+
+
+def test_patch_writes_a_checkpoint_and_says_what_each_engine_serves(tmp_path, capsys):
+    """`rope-ext patch` on a Llama-3.1-shaped checkpoint: extended from its llama3 scaling, written as
+    one longrope that transformers and the engines read as the patch; an attention-side method is
+    served unpatched; the weights are the source's, bit for bit."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_checkpoint_shapes import model_of
+
+    model_of("llama-3.1").save_pretrained(tmp_path / "src")
+    assert cli.main(["patch", str(tmp_path / "src"), str(tmp_path / "yarn"), "--method", "yarn", "--factor", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "its shipped llama3 scaling over a 1024-token window" in out and "meant for 4096 tokens" in out
+    assert re.search(r"vLLM 0.30-0.34 +as patched", out) and re.search(r"SGLang 0.5.23 +as patched", out)
+    config = json.loads((tmp_path / "yarn" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "longrope" and config["max_position_embeddings"] == 4096
+    source, written = (load_file(tmp_path / name / "model.safetensors") for name in ("src", "yarn"))
+    assert source.keys() == written.keys() and all(torch.equal(source[k], written[k]) for k in source)
+
+    assert cli.main(["patch", str(tmp_path / "src"), str(tmp_path / "se"), "--method", "self_extend", "--factor", "2"]) == 0
+    assert re.search(r"vLLM 0.30-0.34 +unpatched", capsys.readouterr().out)
+
+
+def test_patch_refuses_an_occupied_folder_and_a_shrink_before_writing(tmp_path, capsys):
+    from test_checkpoint_shapes import model_of
+
+    model_of("llama-3.1").save_pretrained(tmp_path / "src")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert cli.main(["patch", str(tmp_path / "src"), str(tmp_path / "full"), "--method", "yarn", "--factor", "4"]) == 2
+    assert "is not an empty folder" in capsys.readouterr().err
+    argv = ["patch", str(tmp_path / "src"), str(tmp_path / "short"), "--method", "yarn", "--factor", "2"]
+    assert cli.main([*argv, "--original-window", "64"]) == 1
+    assert "fewer than the 1024 this checkpoint serves" in capsys.readouterr().err and not (tmp_path / "short").exists()

@@ -82,14 +82,23 @@ def test_a_patch_transformers_cannot_express_warns_and_reloads_plainly_as_the_un
     assert torch.equal(logits(reloaded, x), logits(tiny_model, x))
 
 
-@pytest.mark.parametrize("method,params", [("ntk", {}), ("yarn", {}), ("dynamic", {"causal": False})])
-def test_a_patch_transformers_expresses_saves_without_a_warning(tiny_model, tmp_path, method, params):
+@pytest.mark.parametrize("method,params", [("ntk", {}), ("yarn", {})])
+def test_a_patch_every_engine_serves_saves_without_a_warning(tiny_model, tmp_path, method, params):
     info = rope_ext.patch(tiny_model, method, factor=4, **params)
     assert info.native is not None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tiny_model.save_pretrained(tmp_path)
     assert rope_ext_warnings(caught) == []
+
+
+def test_a_save_names_the_engines_that_serve_it_otherwise(tiny_model, tmp_path):
+    """transformers' `dynamic` reloads the one-schedule dynamic patch; vLLM's and SGLang's dynamic
+    NTK is a fixed base at the config's window (docs/serving.md), which the save says."""
+    info = rope_ext.patch(tiny_model, "dynamic", factor=4, causal=False)
+    assert info.native is not None
+    with pytest.warns(UserWarning, match="transformers reloads this checkpoint as patched, but vLLM 0.30-0.34 not as patched"):
+        tiny_model.save_pretrained(tmp_path)
 
 
 def test_an_unpatched_model_saves_without_a_warning(tiny_model, tmp_path):

@@ -60,9 +60,9 @@ def dynamic(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float) 
     return default_inv_freq(geom, base), 1.0
 
 
-def yarn_mscale(scale: float) -> float:
-    """YaRN's attention temperature 0.1 ln(s) + 1, applied to cos and sin (1 for s <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 mscale ln(s) + 1, applied to cos and sin (1 for s <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _correction_dim(geom: RotaryGeometry, rotations: float) -> float:
@@ -97,10 +97,19 @@ def yarn(
     beta_slow: float = 1.0,
     attention_factor: float | None = None,
     truncate: bool = True,
+    mscale: float | None = None,
+    mscale_all_dim: float | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """YaRN: NTK-by-parts frequencies plus the attention temperature."""
+    """YaRN: NTK-by-parts frequencies plus the attention temperature. DeepSeek's convention
+    (`mscale` and `mscale_all_dim`, both set) puts mscale(s, mscale) / mscale(s, mscale_all_dim) on
+    cos and sin; the model's attention multiplies its softmax scale by mscale(s, mscale_all_dim)^2,
+    which reaches every channel of q.k (transformers' deepseek_v3, as the checkpoint ships)."""
     inv_freq = _by_parts(geom, factor, beta_fast, beta_slow, truncate)
-    return inv_freq, yarn_mscale(factor) if attention_factor is None else attention_factor
+    if attention_factor is not None:
+        return inv_freq, attention_factor
+    if mscale and mscale_all_dim:
+        return inv_freq, float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return inv_freq, yarn_mscale(factor)
 
 
 def ntk_by_parts(
@@ -245,7 +254,7 @@ def _ramp(params: dict) -> dict:
 
 
 def _native_yarn(geometry, factor, params, rope):
-    temperature = {} if params["attention_factor"] is None else {"attention_factor": params["attention_factor"]}
+    temperature = {k: params[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if params[k] is not None}
     return {"rope_type": "yarn", "factor": factor, **_base(geometry, rope), **_window(geometry), **_ramp(params), **temperature}
 
 
@@ -294,7 +303,7 @@ METHODS = [
         yarn,
         "YaRN: NTK-by-parts + attention temperature",
         "ramp-blend of theta_i and theta_i/s; cos, sin * (0.1 ln s + 1)",
-        params={**_YARN_PARAMS, "attention_factor": None},
+        params={**_YARN_PARAMS, "attention_factor": None, "mscale": None, "mscale_all_dim": None},
         native_fn=_native_yarn,
     ),
     RopeMethod(
