@@ -237,7 +237,7 @@ class PatchedModel:
             )
         else:
             found = serving.verdicts(serving.written(self.model), installed_patch(self.model), installed_rotary(self.model), True)
-            differ = {engine: verdict for engine, verdict in found.items() if verdict != "as patched"}
+            differ = {engine: verdict for engine, verdict in found.items() if verdict.startswith("not as patched")}
             if differ:
                 listed = "; ".join(f"{engine} {verdict}" for engine, verdict in differ.items())
                 warnings.warn(

@@ -325,11 +325,16 @@ def serves_as_patched(served: Served, applied, rotary) -> bool:
 
 def verdicts(config: dict, applied, rotary, native: bool) -> dict[str, str]:
     """engine -> "as patched", "unpatched" (a config without a native form: the engine serves the
-    checkpoint as it was) or "not as patched: <why>", for the config.json `config` a patch wrote."""
+    checkpoint as it was), "not as patched: <why>" or "not checked: <why>", for the config.json
+    `config` a patch wrote."""
     found = {}
     for engine in ENGINES:
         if not native:
             found[engine] = "unpatched"
+            continue
+        missing = [key for key in ("rope_parameters", "max_position_embeddings") if key not in config]
+        if missing:  # a model that states its length under another name (the engines read several)
+            found[engine] = f"not checked: config.json has no {' or '.join(missing)}, which these rules read"
             continue
         served = serve(engine, config)
         if isinstance(served, str):

@@ -369,3 +369,19 @@ def test_the_engines_rewrite_deepseek_s_other_rope_types(tmp_path):
     assert found["SGLang 0.5.23"] == "not as patched: it serves DeepSeek's linear as deepseek_yarn"
     with pytest.warns(UserWarning, match="SGLang 0.5.23 not as patched: it serves DeepSeek's linear as deepseek_yarn"):
         model.save_pretrained(tmp_path)
+
+
+def test_the_per_family_table_holds():
+    """docs/serving.md's table per published shape: what each engine serves from the written config."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = doc[doc.index("## Per family") :]
+    rows = re.findall(r"^\| ([\w.-]+) \| (\w+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", section, flags=re.MULTILINE)
+    assert rows[0][:2] == ("shape", "method") and len(rows[1:]) == 4 * 9
+    for shape, method, *cells in rows[1:]:
+        model = model_of(shape)
+        info = rope_ext.patch(model, method, factor=4, **GIVEN.get(shape, {}))
+        expected = ["as patched" if info.native else "unpatched", *verdicts_of(model, info).values()]
+        assert [cell.strip() for cell in cells] == expected, (shape, method)

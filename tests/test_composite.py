@@ -110,10 +110,11 @@ def test_a_composite_with_per_layer_attributes_is_refused_for_them():
     assert model.config.to_dict() == plain
 
 
-def test_llama4_composite_is_refused_for_its_forward_not_its_config():
-    """Llama4ForConditionalGeneration's rope_parameters are read from its text config; its forward
-    of text alone fails in transformers 5.24 (it reads `image_outputs` from the language model's
-    output, which has none), so nothing about its rotation can be proven."""
+def test_llama4_composite_takes_the_static_methods_through_its_text_config():
+    """Llama4ForConditionalGeneration's rope_parameters are read from its text config. Its forward
+    of text alone failed in transformers 5.24 (it read `image_outputs` from the language model's
+    output) and runs in 5.25: static methods patch it exactly, the rotation it applies itself
+    (complex freqs_cis) refuses the methods that rotate inside attention, changing nothing."""
     text = Llama4TextConfig(**{**SHRINK, "intermediate_size_mlp": 128, "num_experts_per_tok": 1})
     vision = Llama4VisionConfig(
         hidden_size=32,
@@ -128,7 +129,17 @@ def test_llama4_composite_is_refused_for_its_forward_not_its_config():
     )
     torch.manual_seed(0)
     model = Llama4ForConditionalGeneration(Llama4Config(text_config=text, vision_config=vision)).eval()
-    plain = model.config.to_dict()
-    with pytest.raises(ValueError, match=f"{REASONS['forward']}: AttributeError.*image_outputs"):
-        rope_ext.patch(model, "yarn", factor=4)
+    plain, inside, past = model.config.to_dict(), ids(WINDOW), ids(WINDOW + 40, seed=1)
+    reference = logits(model, inside)
+    with pytest.raises(ValueError, match=re.escape(REASONS["rotation"])):
+        rope_ext.patch(model, "self_extend", factor=4)
     assert model.config.to_dict() == plain
+    info = rope_ext.patch(model, "yarn", factor=4)
+    assert info.native is not None
+    config = copy.deepcopy(model.config)
+    del config.text_config.rope_ext
+    twin = Llama4ForConditionalGeneration(config).eval()
+    twin.load_state_dict(model.state_dict())
+    assert torch.equal(logits(model, past), logits(twin, past))
+    rope_ext.unpatch(model)
+    assert model.config.to_dict() == plain and torch.equal(logits(model, inside), reference)

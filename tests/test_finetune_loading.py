@@ -96,7 +96,14 @@ def test_the_fine_tune_record_keeps_its_bytes(yarn_run, tiny_path):
         "patch": {
             "method": "yarn",
             "factor": 4.0,
-            "params": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "attention_factor": None},
+            "params": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": True,
+                "attention_factor": None,
+                "mscale": None,
+                "mscale_all_dim": None,
+            },
             "original_window": 128,
         },
         "max_length": 512,

@@ -36,7 +36,14 @@ def test_check_gives_the_bound_method_the_factor_and_the_params():
     method, factor, params = methods.check("yarn", 4, {"beta_fast": 16})
     assert method is methods.REGISTRY["yarn"]
     assert factor == 4.0 and isinstance(factor, float)
-    assert params == {"beta_fast": 16, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
+    assert params == {
+        "beta_fast": 16,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "attention_factor": None,
+        "mscale": None,
+        "mscale_all_dim": None,
+    }
     assert methods.check("alibi_hybrid", 4, {"rope": "yarn"})[0].rope is methods.REGISTRY["yarn"]
 
 
@@ -129,6 +136,8 @@ SET_TO = {
     "local_size": 8,
     "sinks": 2,
     "alpha": 4.0,
+    "mscale": 0.5,
+    "mscale_all_dim": 0.5,
     "partial_rotary_factor": 0.5,
     "short_factor": lambda pairs: [1.1] * pairs,
     "long_factor": lambda pairs: [3.0] * pairs,

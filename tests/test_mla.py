@@ -215,14 +215,15 @@ DEEPSEEK_YARN = {
 @pytest.mark.parametrize("name", ["deepseek_v3", "minicpm3", "glm4_moe_lite"])
 def test_a_yarn_patch_sets_the_softmax_scale_transformers_builds(name):
     """DeepSeek's YaRN with mscale_all_dim multiplies the softmax scale, set at construction, by
-    mscale(factor)^2; a patch that replaces the checkpoint's factor sets the scale transformers
-    builds from the patched config, and unpatch puts the checkpoint's back."""
+    mscale(factor)^2; a patch that replaces the checkpoint's factor (original_window=; the shipped
+    mscale and mscale_all_dim are its defaults) sets the scale transformers builds from the patched
+    config, and unpatch puts the checkpoint's back."""
     model = mla(name, {**DEEPSEEK_YARN})
     window = 2 * WINDOW
     model.config.max_position_embeddings = window
     past = ids(3 * WINDOW, seed=1)
     before, reference = scalings(model), logits(model, past)
-    info = rope_ext.patch(model, "yarn", factor=4)
+    info = rope_ext.patch(model, "yarn", factor=4, original_window=WINDOW)
     twin = twin_of(model, model.config.rope_parameters, model.config.max_position_embeddings)
     assert scalings(model) == scalings(twin) != before
     assert torch.equal(logits(model, past), logits(twin, past))
@@ -232,15 +233,21 @@ def test_a_yarn_patch_sets_the_softmax_scale_transformers_builds(name):
     assert torch.equal(logits(model, past), reference)
 
 
-def test_attention_side_methods_drop_the_checkpoints_softmax_scale(tmp_path):
-    """A patch replaces the checkpoint's scaling, mscale_all_dim's softmax scale with its
-    frequencies: inside the window self_extend is the model without the scaling (rope_type default),
-    also reloaded by rope_ext.from_pretrained from a config that keeps the checkpoint's scaling."""
+def test_attention_side_methods_keep_the_checkpoints_softmax_scale_unless_it_is_replaced(tmp_path):
+    """Extending the checkpoint as loaded, self_extend keeps its yarn scaling, mscale_all_dim's
+    softmax scale included: inside the shipped window it is the checkpoint. Replacing the scaling
+    (original_window=) drops the softmax scale with the frequencies: inside the window self_extend
+    is then the model without the scaling (rope_type default), also reloaded by
+    rope_ext.from_pretrained from a config that keeps the checkpoint's scaling."""
     model = mla("deepseek_v3", {**DEEPSEEK_YARN})
     inside, past = ids(WINDOW), ids(2 * WINDOW, seed=1)
+    shipped = copy.deepcopy(model)
+    rope_ext.patch(shipped, "self_extend", factor=4)
+    assert scalings(shipped) == scalings(model)
+    assert (logits(shipped, past) - logits(model, past)).abs().max().item() <= MOE_TOLERANCE
     trained = twin_of(model, {"rope_type": "default", "rope_theta": 10000.0}, model.config.max_position_embeddings)
     before = scalings(model)
-    rope_ext.patch(model, "self_extend", factor=4)
+    rope_ext.patch(model, "self_extend", factor=4, original_window=WINDOW, allow_shrink=True)
     assert scalings(model) == scalings(trained) != before
     assert (logits(model, inside) - logits(trained, inside)).abs().max().item() <= MOE_TOLERANCE
     with warnings.catch_warnings():

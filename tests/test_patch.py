@@ -90,27 +90,32 @@ def test_repatching_replaces_instead_of_compounding():
     assert torch.equal(logits(model, x), logits(random_model(), x))
 
 
-def test_checkpoint_with_existing_yarn_scaling_composes_from_its_original_window():
+def test_checkpoint_with_existing_yarn_scaling_is_extended_from_it_or_replaced_over_its_original_window():
     scaled = random_model(
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": WINDOW},
         max_position_embeddings=2 * WINDOW,
     )
-    plain = random_model()
-    info = rope_ext.patch(scaled, "ntk", factor=4)
-    rope_ext.patch(plain, "ntk", factor=4)
-    assert info.original_window == WINDOW
     x = random_ids(3 * WINDOW, seed=1)
+    shipped = logits(scaled, x)
+    info = rope_ext.patch(scaled, "ntk", factor=4)
+    assert (info.original_window, info.max_length, info.starts_from["scaling"]) == (2 * WINDOW, 8 * WINDOW, "yarn")
+    assert not torch.equal(logits(scaled, x), shipped)
+    plain = random_model()
+    info = rope_ext.patch(scaled, "ntk", factor=4, original_window=WINDOW)
+    rope_ext.patch(plain, "ntk", factor=4)
+    assert info.original_window == WINDOW and info.starts_from["scaling"] is None
     assert torch.equal(logits(scaled, x), logits(plain, x))
     rope_ext.unpatch(scaled)
-    assert scaled.config.rope_parameters["rope_type"] == "yarn"
+    assert scaled.config.rope_parameters["rope_type"] == "yarn" and torch.equal(logits(scaled, x), shipped)
 
 
-def test_checkpoint_with_linear_scaling_needs_its_original_window():
+def test_checkpoint_with_linear_scaling_is_extended_from_its_served_context():
     scaled = random_model(
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, max_position_embeddings=2 * WINDOW
     )
-    with pytest.raises(ValueError, match="original_window"):
-        rope_ext.patch(scaled, "yarn", factor=4)
+    info = rope_ext.patch(scaled, "yarn", factor=4)
+    assert (info.original_window, info.max_length, info.starts_from["scaling"]) == (2 * WINDOW, 8 * WINDOW, "linear")
+    rope_ext.unpatch(scaled)
     assert not isinstance(scaled.model.rotary_emb, ExtendedRotaryEmbedding)
     info = rope_ext.patch(scaled, "yarn", factor=4, original_window=WINDOW)
     assert info.max_length == 4 * WINDOW
@@ -390,7 +395,14 @@ def test_generate_warns_of_the_length_only_past_the_patch_max_length(tiny_model,
 
 
 # The patch in each of its shapes, as JSON: result files and records keep these bytes.
-YARN_PARAMS = {"beta_fast": 16, "beta_slow": 1.0, "truncate": True, "attention_factor": None}
+YARN_PARAMS = {
+    "beta_fast": 16,
+    "beta_slow": 1.0,
+    "truncate": True,
+    "attention_factor": None,
+    "mscale": None,
+    "mscale_all_dim": None,
+}
 YARN_RECORD = {
     "version": 1,
     "method": "yarn",
@@ -400,6 +412,7 @@ YARN_RECORD = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "max_position_embeddings": WINDOW,
         "original_window": WINDOW,
+        "starts_from": {"scaling": None, "source": "max_position_embeddings"},
     },
 }
 YARN_DESCRIBED = {
@@ -432,6 +445,7 @@ YARN_INFO = {
         "truncate": True,
     },
     "notes": {},
+    "starts_from": {"scaling": None, "window": WINDOW, "source": "max_position_embeddings"},
 }
 
 
@@ -451,4 +465,4 @@ def test_a_method_warns_at_the_line_that_called_patch():
     model = random_model()
     with pytest.warns(UserWarning, match="breaks its authors' rule") as caught:
         rope_ext.patch(model, "self_extend", factor=4, group=6)
-    assert [w.filename for w in caught] == [__file__]
+    assert [w.filename for w in caught if "breaks its authors' rule" in str(w.message)] == [__file__]
