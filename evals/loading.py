@@ -15,6 +15,7 @@ from rope_ext import method as registry
 from rope_ext.arguments import AUTO, DTYPES, PLAIN
 from rope_ext.chunked import chunking_refusal
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
+from rope_ext.defaults import embedded_window
 from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
 from rope_ext.patching import installed_patch
 from rope_ext import record
@@ -145,7 +146,8 @@ def apply_method(
         if patched(model):
             rope_ext.unpatch(model)
         return None
-    extra = {} if original_window is None else {"original_window": original_window}
+    window = original_window or embedded_window(model)
+    extra = {} if window is None else {"original_window": window}
     return rope_ext.patch(model, method, factor=factor, **extra, **params)
 
 

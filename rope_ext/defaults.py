@@ -119,6 +119,13 @@ def resolve_checkpoint(name: str | None) -> str:
     return name
 
 
+def embedded_window(model) -> int | None:
+    """SMOLLM2_WINDOW for the embedded SmolLM2 (its model card's training context, which its config
+    states only as max_position_embeddings), None for any other model."""
+    name = Path(str(getattr(model.config, "_name_or_path", "") or ""))
+    return SMOLLM2_WINDOW if name.parent == cache_dir() and name.name.startswith("smollm2-135m-") else None
+
+
 def load_smollm2(dtype=None, attn_implementation: str = "sdpa"):
     """(model, tokenizer) for the embedded default checkpoint, in eval mode."""
     import torch

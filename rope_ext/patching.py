@@ -130,7 +130,7 @@ def patch(
         raise ValueError(
             f"{method} x{factor:g} over a {applied.original_window}-token window is meant for {applied.max_length} tokens, "
             f"fewer than the {served} this checkpoint serves as loaded; leave original_window out to extend the shipped "
-            "model, raise the factor, or pass allow_shrink=True to read less"
+            "model, raise the factor, or pass allow_shrink=True (--allow-shrink) to read less"
         )
     rotary = adapter.build(site, spec, factor, params, geometry, original)
     transforms = spec.attention(rotary, facts, params)
