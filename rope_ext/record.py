@@ -68,9 +68,9 @@ SCALING_KEYS = frozenset(
     }
 )
 
-# rope types whose `factor` vLLM and SGLang multiply max_position_embeddings by to get the longest
-# sequence they accept (docs/serving.md); for the others they take max_position_embeddings as it is.
-WINDOW_TIMES_FACTOR = ("linear", "dynamic", "proportional")
+# the rope type whose max_position_embeddings transformers reads as the trained window (a factor
+# of its math), not as a length: `dynamic`
+WINDOW_AS_INPUT = "dynamic"
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,12 @@ def served_parameters(native: dict) -> dict:
 
 def served_window(rope: dict, max_length: int) -> int:
     """The max_position_embeddings under `rope` (flat) for a patch meant for `max_length`
-    positions: the length itself, or for the rope types whose factor engines multiply it by (and
-    whose window transformers' `dynamic` reads there), the largest window that factor does not
-    take past it."""
-    if rope.get("rope_type") in WINDOW_TIMES_FACTOR:
+    positions: the length itself, what transformers, lm-eval's `hf` model and every reader of the
+    field take as the longest input. Only transformers' `dynamic` reads it as the trained window, a
+    term of its frequencies: there, the largest window its factor does not take past max_length.
+    (vLLM and SGLang multiply it by the factor of `linear` and `proportional`: they accept more
+    tokens than the patch is meant for, docs/serving.md.)"""
+    if rope.get("rope_type") == WINDOW_AS_INPUT:
         return math.floor(max_length / rope["factor"])
     return max_length
 
@@ -208,9 +210,7 @@ def write_native(config, native: dict | None, original: dict, max_length: int, l
         return
     served = served_parameters(native)
     config.rope_parameters = rope_parameters(original["rope_parameters"], served, layer_type)
-    # Of parameters nested per layer type no engine multiplies max_position_embeddings by a factor
-    # (vLLM skips it for gemma3, SGLang reads the top-level dict, which holds none): it is the length.
-    config.max_position_embeddings = max_length if layer_type is not None else served_window(served, max_length)
+    config.max_position_embeddings = served_window(served, max_length)
     if "head_dim" in original:
         # transformers' dynamic and yarn frequencies read config.head_dim without falling back
         config.head_dim = config.hidden_size // config.num_attention_heads

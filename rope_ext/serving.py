@@ -310,8 +310,9 @@ def patched_at(rotary, row: int, length: int) -> tuple[torch.Tensor, float]:
 def serves_as_patched(served: Served, applied, rotary) -> bool:
     """The engine's frequencies and attention factor are those of the patch `applied` (installed as
     the rotary module `rotary`) in the first and the last row of a forward of the trained window, of
-    one past it and of the length the patch is meant for, and it accepts that length with a table
-    that holds it."""
+    one past it and of the length the patch is meant for, and it accepts that length (or more:
+    `linear` and `proportional`, whose factor the engines multiply max_position_embeddings by) with
+    a table that holds it."""
     for length in (applied.original_window, applied.original_window + 1, applied.max_length):
         for row in (0, length - 1):
             inv_freq, attention = patched_at(rotary, row, length)
@@ -320,7 +321,7 @@ def serves_as_patched(served: Served, applied, rotary) -> bool:
                 return False
             if not math.isclose(served_attention, attention, rel_tol=1e-9):
                 return False
-    return served.max_length == applied.max_length and served.positions >= served.max_length
+    return served.max_length >= applied.max_length and served.positions >= served.max_length
 
 
 def verdicts(config: dict, applied, rotary, native: bool) -> dict[str, str]:

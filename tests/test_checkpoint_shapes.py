@@ -133,6 +133,32 @@ SHAPES = {
             },
         },
     ),
+    # meta-llama/Llama-4-Scout-17B-16E config.json, text_config: max_position_embeddings 10485760,
+    # rope_theta 500000, llama3 {factor 16, low_freq_factor 1, high_freq_factor 1,
+    # original_max_position_embeddings 8192}, attention_chunk_size 8192, every fourth layer without
+    # RoPE (no_rope_layers), attn_temperature_tuning with floor_scale 8192, attn_scale 0.1 (ratio 128)
+    "llama-4-scout": (
+        "llama4_text",
+        {
+            "num_hidden_layers": 4,
+            "intermediate_size_mlp": 128,
+            "num_experts_per_tok": 1,
+            "max_position_embeddings": 10485760 // 128,
+            "attention_chunk_size": WINDOW,
+            "no_rope_layers": [1, 1, 1, 0],
+            "attn_temperature_tuning": True,
+            "floor_scale": WINDOW,
+            "attn_scale": 0.1,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 16.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 1.0,
+                "original_max_position_embeddings": WINDOW,
+            },
+        },
+    ),
     # HuggingFaceTB/SmolLM3-3B: every fourth layer without RoPE
     "smollm3": (
         "smollm3",
@@ -175,6 +201,8 @@ REFUSED = {
     "mistral-swa": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "gemma-2": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
     "gpt-oss": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
+    # Llama 4 multiplies complex freqs_cis into its queries and keys itself
+    "llama-4-scout": {"self_extend": "rotation", "sink_window": "rotation", "dca": "rotation"},
 }
 # shapes that ship a scaling a patch extends, and the context each serves as loaded
 EXTENDED = {
@@ -183,6 +211,7 @@ EXTENDED = {
     "gemma-3": WINDOW * 4,
     "deepseek-v3": WINDOW * 40,
     "gpt-oss": WINDOW * 32,
+    "llama-4-scout": 10485760 // 128,
 }
 # each shipped scaling re-applied with original_window=: (method, factor)
 OWN = {"llama-3.1": ("llama3", 8.0), "qwen2.5-yarn": ("yarn", 4.0), "deepseek-v3": ("yarn", 40.0), "gpt-oss": ("yarn", 32.0)}
@@ -385,3 +414,16 @@ def test_the_per_family_table_holds():
         info = rope_ext.patch(model, method, factor=4, **GIVEN.get(shape, {}))
         expected = ["as patched" if info.native else "unpatched", *verdicts_of(model, info).values()]
         assert [cell.strip() for cell in cells] == expected, (shape, method)
+
+
+def test_ministral3_keeps_the_window_its_query_scale_reads():
+    """ministral3 scales its queries by 1 + beta ln(1 + floor(p / original_max_position_embeddings)),
+    read from rope_parameters at forward time: the longrope a patch over its shipped yarn writes keeps
+    that window, so the query scale stays the shipped one, and plain transformers reloads the patch."""
+    model = tiny("ministral3")
+    shipped = copy.deepcopy(model.config.rope_parameters)
+    info = rope_ext.patch(model, "yarn", factor=2)
+    assert info.starts_from["scaling"] == "yarn" and info.native["rope_type"] == "longrope"
+    written = model.config.rope_parameters
+    assert written["original_max_position_embeddings"] == shipped["original_max_position_embeddings"]
+    assert written["llama_4_scaling_beta"] == shipped["llama_4_scaling_beta"]

@@ -7,7 +7,8 @@ lists, a patch is saved as config.json and each engine's frequencies, attention 
 length and table size are compared with rope-ext's own: the table's cell is "yes" exactly when
 they agree in the first and last row of a forward of the trained window, of one past it and of
 the length the patch is meant for. No engine version read refuses a rope type rope-ext writes.
-No written config lets an engine accept more positions than the patch is meant for.
+A written config states the length the patch is meant for; only vLLM's and SGLang's factor rule for
+`linear` and `proportional` accepts more.
 Transformers' chunked prefill gives the tokens rope_ext.chunked_generate gives."""
 
 from __future__ import annotations
@@ -115,9 +116,12 @@ CHECKPOINTS = {
 
 @pytest.mark.parametrize("checkpoint", list(CHECKPOINTS))
 @pytest.mark.parametrize("method,params", [(name, {}) for name in rope_ext.methods()] + [("dynamic", {"causal": False})])
-def test_no_engine_accepts_more_positions_than_the_patch_is_meant_for(checkpoint, method, params):
-    """A patch with a native form is served up to its max_length at most; one without leaves the
-    checkpoint's own config, which engines serve as the unpatched checkpoint."""
+def test_the_written_length_is_the_patch_s_and_only_a_linear_factor_takes_engines_past_it(checkpoint, method, params):
+    """A patch with a native form states max_position_embeddings = its max_length (transformers'
+    `dynamic` excepted, which reads the field as its window), which transformers and lm-eval read as
+    the longest input; the engines accept at most that, except that vLLM and SGLang multiply it by
+    the factor of `linear` and `proportional`. One without a native form leaves the checkpoint's own
+    config, which engines serve as the unpatched checkpoint."""
     model = CHECKPOINTS[checkpoint]()
     before = json.loads(model.config.to_json_string())
     if method == "proportional" and checkpoint == "glm with a linear checkpoint scaling":
@@ -132,9 +136,13 @@ def test_no_engine_accepts_more_positions_than_the_patch_is_meant_for(checkpoint
         for key in ("rope_parameters", "max_position_embeddings", "head_dim"):
             assert config.get(key) == before.get(key), key
         return
+    rope = config["rope_parameters"]
+    kind = rope.get("rope_type")
+    assert config["max_position_embeddings"] == (info.max_length if kind != "dynamic" else info.max_length // rope["factor"])
+    multiplied = rope["factor"] if kind in ("linear", "proportional") else 1
     for engine, reading in ENGINES.items():
         served = reading(config)
-        assert served.max_length <= info.max_length, (engine, config["rope_parameters"], config["max_position_embeddings"])
+        assert served.max_length <= info.max_length * multiplied, (engine, rope, config["max_position_embeddings"])
 
 
 def test_a_saved_checkpoint_states_the_native_form(tiny_model, tmp_path):
