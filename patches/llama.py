@@ -64,6 +64,8 @@ class RotarySite:
     attention: list[nn.Module]  # the attention modules that apply the rotation
     structure: Structure
     nope: list[nn.Module]  # attention modules the patch leaves alone: without RoPE, or of a layer type it keeps
+    # the live rotary module was built from the values unpatch restores (not a reload of a patched checkpoint)
+    fresh: bool = True
 
     def swap_rotary(self, rotary: nn.Module) -> None:
         owner, _, name = self.structure.rotary.rpartition(".")
@@ -96,15 +98,18 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
     """The rope-ext rotary module in the cos/sin format the model's attention expects, with the
     structure the probe proved (a patched model is not probed again: its rotary module is ours).
     In place of a module kept per layer type, it answers the patched type and lets the model's own
-    module (`kept`) answer the others. It carries the config the replaced module was built from,
-    which a model may read (Granite-SWA keys each module's output by its config's base) and unpatch
-    rebuilds that module from."""
+    module (`kept`) answer the others. `restores` is the module it replaced, which unpatch puts
+    back as it is, hooks and dtype included (a child, so that a cast or a move of the model reaches
+    it too); None where that module was built from a patched checkpoint's config, and unpatch
+    builds the model's own from the config the replaced module was built from, which the module
+    carries (a model may read it: Granite-SWA keys each module's output by its config's base)."""
 
-    def __init__(self, *args, structure: Structure, config, kept: nn.Module | None = None):
+    def __init__(self, *args, structure: Structure, config, kept: nn.Module | None = None, restores: nn.Module | None = None):
         super().__init__(*args)
         self.structure = structure
         self.config = config
         self.kept = kept
+        self.restores = restores
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
         positions = self.text_positions(position_ids) if self.structure.axes else position_ids
@@ -262,6 +267,7 @@ class LlamaFamily(FamilyAdapter):
                 record.pop("starts_from", None)
             return record, False
         config = site.config
+        site.fresh = saved is None
         record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else config_values(config)
         rope = site.rope_entry(record["rope_parameters"])
         rope_type = rope.get("rope_type", "default")
@@ -350,14 +356,25 @@ class LlamaFamily(FamilyAdapter):
         current = self.installed(site)
         original_cls = current.original_cls if current is not None else type(site.rotary)
         if current is not None:
-            kept, device = current.kept, current.inv_freq.device
+            kept, restores, device = current.kept, current.restores, current.inv_freq.device
         else:
             kept = site.rotary if site.layer_type is not None else None
+            restores = site.rotary if site.fresh else None
             device = getattr(site.rotary, typed("inv_freq", site.layer_type)).device
         config = getattr(site.rotary, "config", site.config)
         spec = with_shipped_base(spec, shipped_scaling(site, record, original_cls))
         return ProbedRotaryEmbedding(
-            spec, factor, params, geometry, original_cls, record, device, structure=site.structure, config=config, kept=kept
+            spec,
+            factor,
+            params,
+            geometry,
+            original_cls,
+            record,
+            device,
+            structure=site.structure,
+            config=config,
+            kept=kept,
+            restores=restores,
         )
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
@@ -411,7 +428,8 @@ class LlamaFamily(FamilyAdapter):
         if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
             found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
             raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
-        if self.installed(site) is not None:
+        if (current := self.installed(site)) is not None:
+            current.retire_caches()
             self._detach(site)
         site.swap_rotary(rotary)
         rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
@@ -444,10 +462,13 @@ class LlamaFamily(FamilyAdapter):
 
     def uninstall(self, site: RotarySite) -> None:
         rotary = self.installed(site)
+        rotary.retire_caches()
         self._detach(site)
         restore(site.config, rotary.original)
         set_softmax_scales(site, site.config.rope_parameters)
-        restored = rotary.original_cls(rotary.config).to(rotary.inv_freq.device)
+        restored = rotary.restores
+        if restored is None:
+            restored = rotary.original_cls(rotary.config).to(rotary.inv_freq.device)
         site.swap_rotary(restored)
 
     def _attach_attention(self, site: RotarySite, transforms: list[AttentionTransform], method: str) -> None:

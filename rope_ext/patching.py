@@ -22,6 +22,7 @@ refused unless `allow_shrink=True`.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -111,6 +112,7 @@ def patch(
     if not isinstance(allow_shrink, bool):
         raise ValueError(f"allow_shrink must be True or False, got {allow_shrink!r}")
     adapter, site = _site(model)
+    own_config(site.model)
     saved = record.read(site.config) if _saved is None else _saved
     original, built_from_original = adapter.original_record(site, original_window, saved)
     if _saved is None and (inherited := adapter.shipped_params(site, original, spec, given)):
@@ -175,6 +177,23 @@ def patch(
         layer_types=applied.layer_types,
         starts_from=starts_from,
     )
+
+
+def own_config(model: nn.Module) -> None:
+    """Give `model` a config object of its own, the same values, before a patch writes into it:
+    transformers lets models share one (two `from_config(cfg)` calls), and a patch must not reach
+    the other. Every module of the model that holds the config, or one of its sub-configs (a
+    composite's text config), gets the copy's."""
+    config = model.config
+    copied = copy.deepcopy(config)
+    pairs = {id(config): copied}
+    for name in getattr(config, "sub_configs", None) or {}:
+        if getattr(config, name, None) is not None:
+            pairs[id(getattr(config, name))] = getattr(copied, name)
+    for module in model.modules():
+        held = [(name, value) for name, value in vars(module).items() if id(value) in pairs]
+        for name, value in held:
+            setattr(module, name, pairs[id(value)])
 
 
 def reapply(model: nn.Module, path=None) -> PatchInfo | None:

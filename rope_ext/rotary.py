@@ -95,6 +95,25 @@ class KeyPositions:
         self._written = [(ref, p) for ref, p in self._written if ref() is not None and ref() is not cache]
         self._written.append((weakref.ref(cache), positions))
 
+    def caches(self) -> list:
+        """The caches whose key positions are known, still alive."""
+        return [cache for ref, _ in self._written if (cache := ref()) is not None]
+
+
+class WrittenUnrotated:
+    """What `update` of a KV cache becomes once the patch that wrote its keys before rotation is
+    removed or replaced (ExtendedRotaryEmbedding.retire_caches): any other state would read those
+    keys as rotated. An object, not a closure, so that a copy of the cache stays refused."""
+
+    def __init__(self, method: str):
+        self.method = method
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(
+            f"rope_ext: this KV cache holds keys the {self.method} patch wrote before rotation, and that patch was "
+            "removed or replaced since; its keys mean nothing to the model as it is now: start from a fresh cache"
+        )
+
 
 class DynamicRotation:
     """One forward's positions and frequencies for a patch that rotates inside attention.
@@ -249,6 +268,15 @@ class ExtendedRotaryEmbedding(nn.Module):
         """Called by a forward hook on the decoder: remember where the cached keys sit."""
         self.rotation.finish(cache)
         self._pending_cache = None
+
+    def retire_caches(self) -> None:
+        """The patch is being removed or replaced: every KV cache it wrote keys into before rotation
+        refuses any further update (WrittenUnrotated)."""
+        if not self.dynamic:
+            return
+        for cache in self.rotation.positions.caches():
+            if callable(getattr(cache, "update", None)):
+                cache.update = WrittenUnrotated(self.method.name)
 
     def copy_positions(self, source, target, length: int) -> None:
         """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it

@@ -1,0 +1,67 @@
+"""What a patch shares with the rest of the process and what it leaves behind (issue #38): the
+original rotary module object comes back on unpatch, whatever the model was cast to; a config two
+models share is not written through one of them; a KV cache that a rotate-inside-attention patch
+filled with keys before rotation is refused once that patch is gone. Each test fails on the code
+before these fixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import WINDOW, logits, random_config, random_ids, random_model
+from transformers import AutoModelForCausalLM, DynamicCache
+
+import rope_ext
+
+
+@pytest.mark.parametrize("method", ["yarn", "dynamic", "self_extend"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_unpatch_puts_back_the_rotary_module_it_replaced_after_a_cast(method, dtype):
+    """The module the patch replaced, with its own (cast) buffers and the hooks a user put on it:
+    logits after patch + unpatch equal those before, bit for bit, in the cast dtype."""
+    model = random_model().to(dtype)
+    original = model.model.rotary_emb
+    calls = []
+    original.register_forward_hook(lambda *args: calls.append(1))
+    x = random_ids(WINDOW)
+    before = logits(model, x)
+    rope_ext.patch(model, method, factor=4)
+    rope_ext.unpatch(model)
+    assert model.model.rotary_emb is original and original.inv_freq.dtype == dtype
+    calls.clear()
+    assert torch.equal(logits(model, x), before) and calls
+
+
+def test_a_patch_does_not_reach_a_model_that_shares_its_config(tmp_path):
+    """transformers gives two models built from one config object that object; a patch of one
+    leaves the other's config, forward and checkpoint as they were."""
+    config = random_config()
+    torch.manual_seed(0)
+    first, second = AutoModelForCausalLM.from_config(config).eval(), AutoModelForCausalLM.from_config(config).eval()
+    x = random_ids(2 * WINDOW)
+    before, shared = logits(second, x), second.config.to_dict()
+    rope_ext.patch(first, "dynamic", factor=4)
+    assert second.config.to_dict() == shared and not hasattr(second.config, "rope_ext")
+    assert torch.equal(logits(second, x), before)
+    second.save_pretrained(tmp_path)
+    assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path).eval(), x), before)
+    assert first.model.layers[0].self_attn.config is first.config
+
+
+@pytest.mark.parametrize("after", ["unpatch", "yarn", "dynamic"])
+def test_a_cache_a_rotate_inside_patch_filled_is_refused_once_that_patch_is_gone(after):
+    """dynamic keeps keys before rotation in the cache; unpatched, or patched anew (with a static
+    method that expects rotated keys, or with another rotate-inside patch that does not know where
+    they sit), the model would read them wrong: the next step raises instead."""
+    model = random_model()
+    rope_ext.patch(model, "dynamic", factor=4)
+    x = random_ids(WINDOW + 8)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :-1], cache=cache, use_cache=True)
+    if after == "unpatch":
+        rope_ext.unpatch(model)
+    else:
+        rope_ext.patch(model, after, factor=2)
+    with pytest.raises(RuntimeError, match="start from a fresh cache"), torch.no_grad():
+        model(x[:, -1:], cache=cache, use_cache=True)
