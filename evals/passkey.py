@@ -331,7 +331,7 @@ def check(args: argparse.Namespace):
     baseline = None
     if args.baseline is not None:
         baseline = retrieval.read_baseline(args.baseline)
-        retrieval.check_baseline(baseline, args.depths, args.trials, args.seed)
+        retrieval.check_baseline(baseline, args.depths, args.trials, args.seed, args.max_new_tokens)
     out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
     return params, out, stopped_run(args, out), baseline
 

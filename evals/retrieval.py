@@ -61,9 +61,10 @@ def read_baseline(path) -> dict:
     return {**result, "path": str(path)}
 
 
-def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
-    """ValueError unless the baseline asked the same depths and seed as this run, and at least its
-    trials (baseline_summary counts the first `trials` of each depth)."""
+def check_baseline(baseline: dict, depths, trials: int, seed: int, max_new_tokens: int) -> None:
+    """ValueError unless the baseline asked the same depths and seed as this run, answered with as
+    many new tokens, and holds at least this run's trials at every depth (baseline_summary counts
+    the first `trials` of each depth): a run stopped by --limit holds fewer."""
     setup = baseline["setup"]
     theirs = sorted({r["depth"] for r in baseline["trials"]})
     differ = [
@@ -72,14 +73,26 @@ def check_baseline(baseline: dict, depths, trials: int, seed: int) -> None:
             ("depths", theirs == sorted(set(depths))),
             ("trials", isinstance(setup.get("trials"), int) and setup["trials"] >= trials),
             ("seed", setup.get("seed") == seed),
+            ("max_new_tokens", setup.get("max_new_tokens") == max_new_tokens),
         )
         if not same
     ]
     if differ:
         raise ValueError(
             f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
-            f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}); "
-            "retained retrieval compares the same prompts' depths and keys' seed, with at least this run's trials"
+            f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}, "
+            f"max_new_tokens {setup.get('max_new_tokens')}); retained retrieval compares the same prompts' depths and "
+            "keys' seed, answered alike, with at least this run's trials"
+        )
+    missing = [
+        depth
+        for depth in theirs
+        if len({r["trial"] for r in baseline["trials"] if r["depth"] == depth and r["trial"] < trials}) < trials
+    ]
+    if missing:
+        raise ValueError(
+            f"--baseline: {baseline['path']} holds fewer than {trials} trials at depths {missing} (a run stopped by "
+            f"--limit {setup.get('limit')}?); retained retrieval divides by the baseline's same prompts, all of them"
         )
 
 

@@ -245,6 +245,13 @@ def check(args: argparse.Namespace) -> Path:
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output {folder} is a file, not a folder")
     log = folder / LOG
+    if (folder / CHECKPOINT).exists() and not (folder / CHECKPOINT).is_dir():
+        raise ValueError(f"--output: {folder / CHECKPOINT} is a file, where the search writes its checkpoint folder")
+    earlier = [name for name in (BEST, FIGURE, CHECKPOINT) if (folder / name).exists()]
+    if earlier and not log.exists():
+        raise FileExistsError(
+            f"{folder} holds {', '.join(earlier)} of an earlier search but no {LOG} to resume; choose another --output"
+        )
     if args.resume:
         if not log.is_file():
             raise ValueError(f"--resume: {log} does not exist; start the search without --resume")
@@ -263,6 +270,12 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     probe = rope_ext.patch(model, "linear", factor=args.factor, original_window=args.original_window)
     geometry = RotaryGeometry(probe.rotary_dim, probe.base, probe.original_window, probe.layout, probe.head_dim)
     length = args.length or math.ceil(geometry.original_window * args.factor)
+    if length <= geometry.original_window:
+        # the long factors act only on a forward past the window: every candidate would score alike
+        raise ValueError(
+            f"--length {length} is inside the model's {geometry.original_window}-token window, where longrope uses its "
+            "short factors: the search would score every candidate the same; give a length past the window"
+        )
     prompts = needles(tokenizer, length, args.samples, args.seed, args.needle)
 
     def patch(long_factor: list[float], **params) -> None:

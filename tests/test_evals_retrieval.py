@@ -84,17 +84,27 @@ def test_a_patched_run_reports_its_retained_retrieval_against_the_baseline(tiny_
     assert "retained" in table and "95% interval" in table and f"{TRAINED}-token window" in table
 
 
-def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, lengths=(TRAINED,), model=None, wrong_from=None):
+def baseline_file(
+    path,
+    method="plain",
+    depths=(0.2, 0.8),
+    trials=2,
+    seed=0,
+    lengths=(TRAINED,),
+    model=None,
+    wrong_from=None,
+    max_new_tokens=6,
+    limit=None,
+):
     trials_ = [
         {"length": n, "depth": d, "trial": t, "correct": wrong_from is None or t < wrong_from}
         for n in lengths
         for d in depths
         for t in range(trials)
-    ]
+    ][:limit]
     path.mkdir()
-    (path / "passkey.json").write_text(
-        json.dumps({"setup": {"model": model, "method": method, "trials": trials, "seed": seed}, "trials": trials_})
-    )
+    setup = {"model": model, "method": method, "trials": trials, "seed": seed, "max_new_tokens": max_new_tokens, "limit": limit}
+    (path / "passkey.json").write_text(json.dumps({"setup": setup, "trials": trials_}))
     return path
 
 
@@ -106,6 +116,8 @@ def baseline_file(path, method="plain", depths=(0.2, 0.8), trials=2, seed=0, len
         ({"seed": 7}, "other seed"),
         ({"method": "yarn"}, "the baseline is the unpatched model"),
         ({"lengths": (128, 256)}, "the baseline is one length"),
+        ({"max_new_tokens": 3}, "other max_new_tokens"),
+        ({"limit": 3}, "holds fewer than 2 trials at depths [0.8] (a run stopped by --limit 3?)"),
     ],
 )
 def test_a_baseline_that_does_not_match_is_refused_before_the_model_loads(no_model, tmp_path, capsys, change, words):
@@ -122,6 +134,8 @@ def test_a_baseline_that_does_not_match_is_refused_before_the_model_loads(no_mod
         "yarn",
         "--factor",
         "2",
+        "--max-new-tokens",
+        "6",
         "--baseline",
         str(base),
         "--output",
@@ -208,5 +222,5 @@ def test_the_committed_smollm2_baseline_is_one_for_the_embedded_model():
 
     path = Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-plain-passkey-8k-t4.json"
     baseline = retrieval.read_baseline(path)
-    retrieval.check_baseline(baseline, [0.1, 0.3, 0.5, 0.7, 0.9], 4, 0)
+    retrieval.check_baseline(baseline, [0.1, 0.3, 0.5, 0.7, 0.9], 4, 0, 10)
     assert baseline["setup"]["model"] == f"smollm2-135m-{defaults.smollm2_key()}"

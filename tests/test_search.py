@@ -111,6 +111,34 @@ def test_an_existing_log_needs_resume_and_the_same_settings(no_model, tmp_path, 
     assert "other settings (seed)" in cli_error_line(argv + ["--resume", "--seed", "3"], capsys)
 
 
+@pytest.mark.parametrize("earlier", [BEST, CHECKPOINT])
+def test_an_earlier_result_without_its_log_is_not_overwritten(no_model, tmp_path, capsys, earlier):
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o"
+    (out / CHECKPOINT).mkdir(parents=True) if earlier == CHECKPOINT else out.mkdir()
+    if earlier == BEST:
+        (out / BEST).write_text("{}")
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
+    assert f"holds {earlier} of an earlier search but no {LOG} to resume" in cli_error_line(argv, capsys)
+
+
+def test_a_checkpoint_path_that_is_a_file_is_refused_before_any_evaluation(no_model, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / CHECKPOINT).write_text("")
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
+    assert "is a file, where the search writes its checkpoint folder" in cli_error_line(argv, capsys)
+
+
+def test_a_length_inside_the_window_is_refused_before_any_evaluation(tiny_path, tmp_path, capsys):
+    """Inside the window longrope uses its short factors: every candidate would score alike."""
+    argv = search(tiny_path, tmp_path / "o", "--budget-minutes", "1", "--length", "128")
+    assert cli.main(argv) == 1
+    assert "is inside the model's 128-token window" in capsys.readouterr().err
+    assert not (tmp_path / "o" / LOG).exists()
+
+
 def test_candidates_stay_in_the_search_space():
     """Non-decreasing, in [1, 1.25 s], on the 0.01 grid: the seeds, mutations and crossovers."""
     geometry = RotaryGeometry(64, 10000.0, 8192)
