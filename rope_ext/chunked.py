@@ -306,8 +306,5 @@ def chunked_generate(
             model, input_ids[:, :-1], chunk_size, attention_mask=head_mask, keep_hidden=False, progress=progress
         )
         if rows > 1:  # generate repeats each prompt row (input_ids, mask) but not a cache it is given
-            cache.batch_repeat_interleave(rows)
-            rotary = installed_rotary(model) if _patch(model) is not None else None
-            if rotary is not None:
-                rotary.repeat_positions(cache, rows)
+            cache.batch_repeat_interleave(rows)  # the key positions follow (rope_ext.rotary.KeyPositions)
     return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **generate_kwargs)

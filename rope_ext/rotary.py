@@ -80,10 +80,37 @@ def referenced_method(reference: tuple, params: dict) -> Method:
     return with_shipped_base(with_position_ratio(methods.get(name, params), ratio), shipped)
 
 
+# The transformers Cache operations that move a cache's rows (beam search, dropping finished rows,
+# repeating prompts): each row's key positions [B, S] move with it. Positions of one row stand for
+# every row and stay as they are.
+ROW_OPERATIONS = {
+    "reorder_cache": lambda positions, rows: positions[rows.to(positions.device)],
+    "batch_select_indices": lambda positions, rows: positions[torch.as_tensor(rows, device=positions.device)],
+    "batch_repeat_interleave": lambda positions, repeats: positions.repeat_interleave(repeats, dim=0),
+}
+
+
+class FollowedOperation:
+    """A Cache method (ROW_OPERATIONS, or `reset`) that also moves, or forgets, the key positions
+    KeyPositions keeps for that cache; set on the cache object when its positions are first kept. An
+    object holding the store weakly, so that a deepcopy of the cache gets one bound to the copy."""
+
+    def __init__(self, cache, name: str, store: KeyPositions):
+        self.cache, self.name, self.store = cache, name, weakref.ref(store)
+
+    def __call__(self, *args, **kwargs):
+        result = getattr(type(self.cache), self.name)(self.cache, *args, **kwargs)
+        store = self.store()
+        if store is not None:
+            store.follow(self.cache, self.name, *args, *kwargs.values())
+        return result
+
+
 class KeyPositions:
     """The positions of the keys each KV cache holds, by the cache object's identity: a
     transformers Cache, or the tensor that stands for a tuple cache. Weak, so that a cache the
-    caller drops is not kept alive; by identity, so that tensors are never compared by value."""
+    caller drops is not kept alive; by identity, so that tensors are never compared by value. The
+    positions follow the cache's own operations on its rows (FollowedOperation)."""
 
     def __init__(self):
         self._written: list[tuple[weakref.ref, torch.Tensor]] = []
@@ -92,8 +119,24 @@ class KeyPositions:
         return next((positions for ref, positions in self._written if ref() is cache), None)
 
     def set(self, cache, positions: torch.Tensor) -> None:
-        self._written = [(ref, p) for ref, p in self._written if ref() is not None and ref() is not cache]
+        self.drop(cache)
         self._written.append((weakref.ref(cache), positions))
+        for name in (*ROW_OPERATIONS, "reset"):
+            if hasattr(type(cache), name) and not isinstance(vars(cache).get(name), FollowedOperation):
+                setattr(cache, name, FollowedOperation(cache, name, self))
+
+    def drop(self, cache) -> None:
+        self._written = [(ref, p) for ref, p in self._written if ref() is not None and ref() is not cache]
+
+    def follow(self, cache, operation: str, argument=None) -> None:
+        """`cache` ran `operation` (with its one argument): its keys' positions move likewise."""
+        positions = self.get(cache)
+        if positions is None:
+            return
+        if operation == "reset":
+            self.drop(cache)
+        elif positions.shape[0] > 1:
+            self.set(cache, ROW_OPERATIONS[operation](positions, argument))
 
     def caches(self) -> list:
         """The caches whose key positions are known, still alive."""
@@ -176,13 +219,6 @@ class DynamicRotation:
         positions = self.positions.get(source)
         if positions is not None:
             self.positions.set(target, positions[..., :length])
-
-    def repeat_positions(self, cache, repeats: int) -> None:
-        """Each row of `cache` was repeated `repeats` times in place (Cache.batch_repeat_interleave):
-        so are its keys' positions."""
-        positions = self.positions.get(cache)
-        if positions is not None:
-            self.positions.set(cache, positions.repeat_interleave(repeats, dim=0))
 
 
 class ExtendedRotaryEmbedding(nn.Module):
@@ -282,10 +318,6 @@ class ExtendedRotaryEmbedding(nn.Module):
         """`target` holds the first `length` keys of `source` (rope_ext.chunked.copy_prefix): it
         gets their positions, so later forwards can rotate them."""
         self.rotation.copy_positions(source, target, length)
-
-    def repeat_positions(self, cache, repeats: int) -> None:
-        """Each row of `cache` was repeated `repeats` times (beam search from a prefilled cache)."""
-        self.rotation.repeat_positions(cache, repeats)
 
     def extra_repr(self) -> str:
         params = ", ".join(f"{k}={v}" for k, v in self.params.items())

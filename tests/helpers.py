@@ -347,8 +347,7 @@ def assert_kept_keys_follow_the_cache(model, rows: torch.Tensor, end: int) -> No
     step = decode_logits(model, cache, swapped[:, end - 1 : end])
     torch.testing.assert_close(step, full_logits(model, swapped[:, :end]), rtol=0, atol=1e-4)
 
-    cache.batch_repeat_interleave(2)
-    rotary.repeat_positions(cache, 2)
+    cache.batch_repeat_interleave(2)  # the key positions follow the cache's own operation
     repeated = swapped.repeat_interleave(2, dim=0)
     step = decode_logits(model, cache, repeated[:, end : end + 1])
     torch.testing.assert_close(step, full_logits(model, repeated[:, : end + 1]), rtol=0, atol=1e-4)

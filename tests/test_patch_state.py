@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import WINDOW, logits, random_config, random_ids, random_model
+from helpers import WINDOW, left_padded, logits, random_config, random_ids, random_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
@@ -65,3 +65,55 @@ def test_a_cache_a_rotate_inside_patch_filled_is_refused_once_that_patch_is_gone
         rope_ext.patch(model, after, factor=2)
     with pytest.raises(RuntimeError, match="start from a fresh cache"), torch.no_grad():
         model(x[:, -1:], cache=cache, use_cache=True)
+
+
+def prefilled(model, batch, mask, positions, end):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(batch[:, :end], attention_mask=mask[:, :end], position_ids=positions[:, :end], cache=cache, use_cache=True)
+    return cache
+
+
+def step(model, cache, batch, mask, positions, end, rows):
+    with torch.no_grad():
+        return model(
+            batch[rows, end : end + 1],
+            attention_mask=mask[rows, : end + 1],
+            position_ids=positions[rows, end : end + 1],
+            cache=cache,
+            use_cache=True,
+        ).logits[:, -1]
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+@pytest.mark.parametrize("operation", ["reorder_cache", "batch_select_indices", "batch_repeat_interleave"])
+def test_key_positions_follow_the_cache_s_own_row_operations(method, operation):
+    """A left-padded batch past the window (its rows' keys at other positions), then the cache's own
+    row operation (beam search's reorder, dropping a finished row, repeating prompts) with the next
+    step's rows moved the same way: each row decodes as it did before the move."""
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    batch, mask, positions = left_padded(random_ids(WINDOW + 24, seed=3), pad=7)
+    end = WINDOW + 20
+    unmoved = step(model, prefilled(model, batch, mask, positions, end), batch, mask, positions, end, torch.tensor([0, 1]))
+    rows, argument = {
+        "reorder_cache": (torch.tensor([1, 0]), torch.tensor([1, 0])),
+        "batch_select_indices": (torch.tensor([1]), torch.tensor([1])),
+        "batch_repeat_interleave": (torch.tensor([0, 0, 1, 1]), 2),
+    }[operation]
+    cache = prefilled(model, batch, mask, positions, end)
+    getattr(cache, operation)(argument)
+    moved = step(model, cache, batch, mask, positions, end, rows)
+    torch.testing.assert_close(moved, unmoved[rows], rtol=0, atol=1e-5)
+
+
+def test_a_reset_cache_starts_over():
+    model = random_model()
+    rope_ext.patch(model, "dynamic", factor=4)
+    x = random_ids(WINDOW + 8)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :WINDOW], cache=cache, use_cache=True)
+        cache.reset()
+        fresh = model(x, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(fresh, logits(model, x), rtol=0, atol=1e-5)
