@@ -14,7 +14,9 @@ from rope_ext.record import Patch
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft wrapper (or the model itself)."""
+    """The transformers model under torch.compile's wrapper and a peft wrapper (or the model itself):
+    the patch goes to the model the wrappers call."""
+    model = getattr(model, "_orig_mod", model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 

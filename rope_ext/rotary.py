@@ -200,8 +200,10 @@ class DynamicRotation:
             past = self.positions.get(cache)
             if past is None or (held is not None and past.shape[-1] < held):
                 raise RuntimeError(
-                    "rope_ext: this KV cache holds keys that the patched model did not write "
-                    "(filled before patching, or reordered); start from a fresh cache"
+                    "rope_ext: this KV cache holds keys that the patched model did not write: the patch does not "
+                    "know where they sit (a cache filled before this patch, or a copy made with copy.deepcopy, whose "
+                    "positions stay with the original; rope_ext.chunked.copy_prefix copies a cache with them); "
+                    "start from a fresh cache"
                 )
             past = past if held is None else past[..., :held]
             k_pos = torch.cat((past.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)

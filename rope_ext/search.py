@@ -41,6 +41,7 @@ from rope_ext.method.base import as_size, check_factor, default_inv_freq
 from rope_ext.method.rope import ntk, yarn
 
 LOG = "search.jsonl"
+RECORD_KEYS = ("evaluation", "generation", "origin", "long_factor", "loss")
 BEST = "best.json"
 FIGURE = "search.png"
 CHECKPOINT = "checkpoint"
@@ -221,9 +222,28 @@ def setup_of(args: argparse.Namespace) -> dict:
 
 
 def read_log(path: Path) -> tuple[dict, list[dict]]:
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not lines or "setup" not in lines[0]:
+    """(setup, evaluations) of a search log. A last line cut mid-write (a kill, a full disk) is left
+    out, with a warning: the search resumes from the complete evaluations. Any other line that is not
+    a complete record is a ValueError naming the file, the line and what is wrong."""
+    text = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = []
+    for number, line in enumerate(text, 1):
+        try:
+            lines.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(text) and number > 1:
+                warnings.warn(
+                    f"the last line of {path} was cut mid-write; resuming from the {number - 2} complete evaluations before it",
+                    stacklevel=2,
+                )
+                break
+            raise ValueError(f"{path}: line {number} is not JSON ({err}); the log is damaged, start another --output") from None
+    if not lines or not isinstance(lines[0], dict) or "setup" not in lines[0]:
         raise ValueError(f"{path} does not start with a search's setup line")
+    for number, record in enumerate(lines[1:], 2):
+        missing = [key for key in RECORD_KEYS if not isinstance(record, dict) or key not in record]
+        if missing:
+            raise ValueError(f"{path}: line {number} is not an evaluation (no {', '.join(missing)}); the log is damaged")
     return lines[0]["setup"], lines[1:]
 
 
@@ -293,7 +313,9 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG
     if args.resume:
-        search.records = read_log(log_path)[1]
+        setup, search.records = read_log(log_path)
+        # written anew from the complete records, so that appending never follows a cut line
+        log_path.write_text("".join(json.dumps(line) + "\n" for line in [{"setup": setup}, *search.records]))
     else:
         log_path.write_text(json.dumps({"setup": setup_of(args)}) + "\n")
     print(

@@ -1,8 +1,10 @@
-"""What a patch shares with the rest of the process and what it leaves behind (issue #38): the
-original rotary module object comes back on unpatch, whatever the model was cast to; a config two
-models share is not written through one of them; a KV cache that a rotate-inside-attention patch
-filled with keys before rotation is refused once that patch is gone. Each test fails on the code
-before these fixes."""
+"""What a patch shares with the rest of the process, what it leaves behind and what it refuses
+(issue #38): the original rotary module object comes back on unpatch, whatever the model was cast
+to; a config two models share is not written through one of them; a KV cache that a
+rotate-inside-attention patch filled with keys before rotation is refused once that patch is gone,
+and its key positions follow the cache's own row operations; a torch.compile wrapper is patched
+through; what cannot run is refused at patch(). Each test but the reset's fails on the code before
+these fixes."""
 
 from __future__ import annotations
 
@@ -117,3 +119,49 @@ def test_a_reset_cache_starts_over():
         cache.reset()
         fresh = model(x, cache=cache, use_cache=True).logits
     torch.testing.assert_close(fresh, logits(model, x), rtol=0, atol=1e-5)
+
+
+def test_a_torch_compile_wrapper_is_patched_through():
+    """The patch goes to the model the wrapper calls: generate, save_pretrained and deepcopy answer
+    through the wrapper, before and after unpatch."""
+    import copy
+
+    model = random_model()
+    compiled = torch.compile(model)
+    info = rope_ext.patch(compiled, "yarn", factor=4)
+    assert rope_ext.describe(model)["max_length"] == info.max_length
+    prompt = random_ids(6)
+    assert compiled.generate(prompt, max_new_tokens=2, do_sample=False).shape == (1, 8)
+    assert rope_ext.describe(copy.deepcopy(compiled)) == rope_ext.describe(model)
+    rope_ext.unpatch(compiled)
+    assert rope_ext.describe(model) is None and compiled.generate(prompt, max_new_tokens=2, do_sample=False).shape == (1, 8)
+
+
+@pytest.mark.parametrize("method, params", [("dynamic", {}), ("dynamic_yarn", {}), ("longrope", {"long_factor": [2.0] * 8})])
+def test_methods_that_group_queries_refuse_flex_attention_at_patch(method, params):
+    model = random_model(attn="flex_attention")
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match="which the flex_attention backend's mask does not allow"):
+        rope_ext.patch(model, method, factor=4, **params)
+    assert model.config.to_dict() == before and rope_ext.describe(model) is None
+
+
+@pytest.mark.parametrize("tiny", [1e-300, 1e-40, 1e-7])
+def test_longrope_factors_that_would_give_infinite_frequencies_are_refused(tiny):
+    model = random_model()
+    with pytest.raises(ValueError, match=r"long_factor\[3\] must be a finite number in \[1/1048576, 1048576\]"):
+        rope_ext.patch(model, "longrope", factor=4, long_factor=[1.0, 1.0, 1.0, tiny, 1.0, 1.0, 1.0, 1.0])
+    assert rope_ext.describe(model) is None
+
+
+def test_a_deepcopied_cache_is_refused_naming_the_copy():
+    import copy
+
+    model = random_model()
+    rope_ext.patch(model, "dynamic", factor=4)
+    x = random_ids(WINDOW + 4)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x[:, :-1], cache=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="a copy made with copy.deepcopy"), torch.no_grad():
+        model(x[:, -1:], cache=copy.deepcopy(cache), use_cache=True)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import rope_ext
 from rope_ext import cli
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, crossover, legal, mutate, needles, seeds
+from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, crossover, legal, mutate, needles, read_log, seeds
 
 from helpers import cli_error_line, load_llama
 
@@ -137,6 +137,36 @@ def test_a_length_inside_the_window_is_refused_before_any_evaluation(tiny_path, 
     assert cli.main(argv) == 1
     assert "is inside the model's 128-token window" in capsys.readouterr().err
     assert not (tmp_path / "o" / LOG).exists()
+
+
+RECORD = {"evaluation": 0, "generation": 0, "origin": "yarn", "long_factor": [1.0, 2.0], "loss": 0.5}
+
+
+def test_a_log_cut_mid_write_resumes_from_its_complete_lines(tmp_path):
+    log = tmp_path / LOG
+    lines = [json.dumps({"setup": {"seed": 0}}), json.dumps(RECORD), json.dumps({**RECORD, "evaluation": 1})]
+    log.write_text("\n".join(lines) + "\n" + lines[2][:17])
+    with pytest.warns(UserWarning, match="the last line of .* was cut mid-write; resuming from the 2 complete"):
+        setup, records = read_log(log)
+    assert setup == {"seed": 0} and [r["evaluation"] for r in records] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("not json at all", "line 2 is not JSON"),
+        (json.dumps({k: v for k, v in RECORD.items() if k != "loss"}), "line 2 is not an evaluation (no loss)"),
+    ],
+)
+def test_a_damaged_log_is_refused_naming_the_line(no_model, tmp_path, capsys, damage, message):
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o"
+    out.mkdir()
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out), "--resume"]
+    setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
+    setup = {**setup, "population": 16, "dtype": "auto", "original_window": None}
+    (out / LOG).write_text("\n".join([json.dumps({"setup": setup}), damage, json.dumps(RECORD)]) + "\n")
+    assert message in cli_error_line(argv, capsys)
 
 
 def test_candidates_stay_in_the_search_space():

@@ -69,6 +69,10 @@ LOGN_PARAMS = {"logn": False}
 # Bounds that keep the arithmetic finite: positions and windows are int64 tensors that a product
 # of two such sizes must not overflow; the max_length of factor x window must be an int; cos/sin
 # scaled by attention_factor scale both queries and keys, so logits grow by its square.
+# Attention backends whose mask cannot be sliced into the causal schedule's groups of queries
+# (flex attention's BlockMask: "Cannot use mask_mod from a sliced BlockMask")
+UNGROUPED_BACKENDS = ("flex_attention",)
+
 MAX_POSITIONS = 2**31 - 1
 MAX_FACTOR = 2.0**20
 MAX_ATTENTION_FACTOR = 100.0
@@ -172,6 +176,11 @@ class Method:
             raise ValueError(f"unknown parameter(s) {unknown} for {context or f'method {self.name!r}'}; allowed: {allowed}")
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        if self.follows_length and facts.backend in UNGROUPED_BACKENDS:
+            raise ValueError(
+                f"{self.name} attends the queries of a forward in groups by the length each has seen, slicing the "
+                f"attention mask per group, which the {facts.backend} backend's mask does not allow; use sdpa or eager"
+            )
         return factor, params
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:

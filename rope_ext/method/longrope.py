@@ -58,15 +58,16 @@ def longrope(
 
 def as_factor_list(value, what: str) -> list[float]:
     """`value` (a list or tuple of numbers, or a 1-D tensor or array) as a list of Python floats,
-    each finite, > 0 and <= MAX_FACTOR."""
+    each in [1 / MAX_FACTOR, MAX_FACTOR]: a factor that rounds to 0 or to a subnormal in fp32 (1e-40,
+    1e-300) would give infinite frequencies and NaN logits."""
     if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"{what} must be a non-empty list of numbers (one rescale factor per rotated pair), got {value!r}")
     numbers = [as_number(item, f"{what}[{i}]") for i, item in enumerate(value)]
     for i, number in enumerate(numbers):
-        if not (math.isfinite(number) and 0 < number <= MAX_FACTOR):
-            raise ValueError(f"{what}[{i}] must be a finite number in (0, {MAX_FACTOR:.0f}], got {number!r}")
+        if not (math.isfinite(number) and 1 / MAX_FACTOR <= number <= MAX_FACTOR):
+            raise ValueError(f"{what}[{i}] must be a finite number in [1/{MAX_FACTOR:.0f}, {MAX_FACTOR:.0f}], got {number!r}")
     return [float(number) for number in numbers]
 
 
@@ -83,6 +84,7 @@ class LongRopeMethod(Method):
         return {**merged, **{key: as_factor_list(value, f"{self.name}: {key}") for key, value in lists.items()}}
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        factor, params = super().resolve(facts, geometry, factor, params)
         pairs = geometry.rotary_dim // 2
         params = {**params, "short_factor": params.get("short_factor") or [1.0] * pairs}
         for key in FACTOR_LISTS:
