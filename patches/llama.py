@@ -141,10 +141,13 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
 def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length: int) -> bool:
     """Whether the model's own rotary class, built from a config holding `native` as transformers
     reloads it, gives the patch's (cos, sin) bit for bit at positions spread over the trained window
-    and over the extended one (a call's longest position may choose its scaling, as PhiMoE's does). Some models read transformers' rope_parameters their own way (Phi-3's config
-    turns a yarn type into longrope; PhiMoE's rotary reads mscale keys yarn does not have): for
-    them the native form would reload another model, so the patch writes none. For a dynamic
-    method, whose rotation happens inside attention, the class must build and run from it."""
+    and over the extended one (a call's longest position may choose its scaling, as PhiMoE's does),
+    with every key of `native` read back as written. Some models read transformers' rope_parameters
+    their own way (Phi-3's config turns a yarn type into longrope and puts its top-level
+    original_max_position_embeddings over the written one; PhiMoE's rotary reads mscale keys yarn
+    does not have): for them the native form would reload another model, so the patch writes none.
+    For a dynamic method, whose rotation happens inside attention, the class must build and run
+    from it."""
     layer_type = rotary.structure.layer_type
     written = copy.deepcopy(config)
     write_native(written, native, rotary.original, max_length, layer_type)
@@ -158,9 +161,15 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     axes = rotary.structure.axes
     calls = [p[None].expand(axes, 1, -1) if axes else p[None] for p in spans]
     try:
-        twin = rotary.original_cls(type(written).from_dict(written.to_dict())).to(device)
+        reloaded = type(written).from_dict(written.to_dict())
+        twin = rotary.original_cls(reloaded).to(device)
         outputs = [tuple(rotary_call(module, x, positions, layer_type) for module in (twin, rotary)) for positions in calls]
     except Exception:  # a config the model's own class cannot read has no native form for it
+        return False
+    # The config class may rewrite what it reads (Phi-3's puts its top-level original_max_position_embeddings
+    # over the written window, which moves longrope's switch): the form must read back as written.
+    entry = reloaded.rope_parameters if layer_type is None else reloaded.rope_parameters[layer_type]
+    if any(entry.get(key) != value for key, value in served_parameters(native).items()):
         return False
     if rotary.dynamic:  # the rotation happens inside attention, per forward: the module's output is not it
         return True

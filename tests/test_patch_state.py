@@ -165,3 +165,19 @@ def test_a_deepcopied_cache_is_refused_naming_the_copy():
         model(x[:, :-1], cache=cache, use_cache=True)
     with pytest.raises(RuntimeError, match="a copy made with copy.deepcopy"), torch.no_grad():
         model(x[:, -1:], cache=copy.deepcopy(cache), use_cache=True)
+
+
+def test_a_native_form_the_config_class_reads_otherwise_is_not_written(tmp_path):
+    """Phi-3's config puts its top-level original_max_position_embeddings (the class default 4096)
+    over the window a longrope form states, which moves the switch to the long factors: such a form
+    would reload as another model, so the patch writes none and rope_ext.from_pretrained reloads it."""
+    from census_configs import ids, tiny
+    from census_configs import logits as census_logits
+
+    model = tiny("phi3")
+    assert model.config.original_max_position_embeddings != model.config.max_position_embeddings
+    info = rope_ext.patch(model, "longrope", factor=4, long_factor=[2.0] * 8, causal=False)
+    assert info.native is None
+    model.save_pretrained(tmp_path)
+    x = ids(3 * WINDOW)
+    assert torch.equal(census_logits(rope_ext.from_pretrained(tmp_path).eval(), x), census_logits(model, x))
