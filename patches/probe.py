@@ -403,15 +403,17 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
             del identity_of.forward
 
 
-def _rotation(real, identity, cos, sin):
+def _rotation(real, identity, cos, sin, upcast: bool = False):
     """The (layout, channels) under which rope-ext's rotation of `identity` gives `real` bit for
-    bit, None when the tensors are equal (no rotation), or False."""
+    bit, None when the tensors are equal (no rotation), or False. With `upcast`, the rotation in
+    fp32 cast back to `real`'s dtype (what some models do at half precision)."""
     if torch.equal(real, identity):
         return None
     spans = ("leading", "trailing") if identity.shape[-1] > cos.shape[-1] else ("leading",)
     for channels in spans:
         for layout in ("half", "interleaved"):
-            if torch.equal(apply_rotary(identity, cos, sin, layout, channels), real):
+            rotated = apply_rotary(identity.float(), cos.float(), sin.float(), layout, channels) if upcast else None
+            if torch.equal(apply_rotary(identity, cos, sin, layout, channels) if not upcast else rotated.to(real.dtype), real):
                 return layout, channels
     return False
 
@@ -476,7 +478,7 @@ def probe(model: nn.Module) -> Structure:
     inv_freq = getattr(rotary, typed("inv_freq", patched))
     rotary_dim = 2 * inv_freq.numel()
     scale = attention_scaling(rotary, patched)
-    rope, layouts, head_dims, layer_types, unreproduced = [], set(), set(), [], []
+    rope, layouts, head_dims, layer_types, unreproduced, upcast = [], set(), set(), [], [], []
     for index, ((module, q, k), (_, q_id, k_id)) in enumerate(zip(real.calls, ident.calls)):
         cos, sin = cos_sin(inv_freq, scale, positions, q.dtype)
         found = {_rotation(q, q_id, cos, sin), _rotation(k, k_id, cos, sin)}
@@ -502,7 +504,14 @@ def probe(model: nn.Module) -> Structure:
             # A norm or another step between the rotation and attention (HunYuan), or another sign of
             # rotate_half (nanochat): rope-ext cannot rotate for the model, but the model rotates
             # itself with the module's output, which the format check proved is rope-ext's (cos, sin).
+            # At half precision a model may rotate in fp32 and cast back (Cohere, OLMo 2): named so.
             unreproduced.append(names[id(module)])
+            if q.dtype != torch.float32:
+                # cos and sin as fp32 angles (OLMo 2), or as the module's output upcast (Cohere)
+                for pair in (cos_sin(inv_freq, scale, positions, torch.float32), (cos, sin)):
+                    if len({_rotation(q, q_id, *pair, True), _rotation(k, k_id, *pair, True)} - {None, False}) == 1:
+                        upcast.append(names[id(module)])
+                        break
         else:
             layouts |= found
         rope.append(True)
@@ -517,7 +526,14 @@ def probe(model: nn.Module) -> Structure:
     # for the model: the pairing is the one the module's format is laid out for.
     layout, channels = layouts.pop() if layouts else ("interleaved" if found_format == "repeated" else "half", "leading")
     static_only = None
-    if unreproduced and found_format != "complex":
+    if unreproduced and len(upcast) == len(unreproduced) and found_format != "complex":
+        dtype = str(real.calls[0][1].dtype).removeprefix("torch.")
+        static_only = (
+            f"in {len(upcast)} of its {sum(rope)} rotating layers (`{upcast[0]}`, ...) the model rotates queries and keys "
+            f"in float32 and casts them back to {dtype}, which rope-ext's rotation in {dtype} does not give bit for bit; "
+            "loaded in float32 the model takes every method, bit for bit"
+        )
+    elif unreproduced and found_format != "complex":
         static_only = (
             f"in {len(unreproduced)} of its {sum(rope)} rotating layers (`{unreproduced[0]}`, ...) attention receives "
             "queries and keys that rope-ext's rotation does not give bit for bit (a norm or another step between the "

@@ -181,3 +181,15 @@ def test_a_native_form_the_config_class_reads_otherwise_is_not_written(tmp_path)
     model.save_pretrained(tmp_path)
     x = ids(3 * WINDOW)
     assert torch.equal(census_logits(rope_ext.from_pretrained(tmp_path).eval(), x), census_logits(model, x))
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2", "olmo2", "olmo3"])
+def test_a_model_that_rotates_in_float32_at_half_precision_is_refused_for_that(model_type):
+    """Cohere and OLMo 2/3 upcast queries and keys to rotate them: in bf16 rope-ext's rotation inside
+    attention would round otherwise, and the refusal says so (not a norm or a pairing); in fp32 the
+    same model takes the method."""
+    from census_configs import tiny
+
+    with pytest.raises(ValueError, match="rotates queries and keys in float32 and casts them back to bfloat16"):
+        rope_ext.patch(tiny(model_type).to(torch.bfloat16), "self_extend", factor=4)
+    assert rope_ext.patch(tiny(model_type), "self_extend", factor=4).method == "self_extend"
