@@ -46,6 +46,13 @@ def from_pretrained(path, **kwargs) -> nn.Module:
     here."""
     if (Path(path) / record.FINETUNE_FILE).is_file():
         return load_finetuned(path, **kwargs)
+    if (Path(path) / "adapter_config.json").is_file() and not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"{path} is a peft adapter folder (PeftModel.save_pretrained, what transformers' Trainer writes): it holds "
+            "the adapter but not the patch its base was trained under, and a plain PeftModel.from_pretrained of it "
+            "attaches it to the unpatched base. Write the patch beside it with rope_ext.save_record(folder, base, "
+            "model) after training (docs/finetune.md), then rope_ext.from_pretrained(folder) rebuilds base -> patch -> adapter"
+        )
     model = causal_lm_class(path, kwargs).from_pretrained(path, **kwargs)
     reapply(model, path)
     return model

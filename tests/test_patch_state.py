@@ -193,3 +193,13 @@ def test_a_model_that_rotates_in_float32_at_half_precision_is_refused_for_that(m
     with pytest.raises(ValueError, match="rotates queries and keys in float32 and casts them back to bfloat16"):
         rope_ext.patch(tiny(model_type).to(torch.bfloat16), "self_extend", factor=4)
     assert rope_ext.patch(tiny(model_type), "self_extend", factor=4).method == "self_extend"
+
+
+def test_a_peft_adapter_folder_without_the_patch_is_refused_naming_the_remedy(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = random_model()
+    rope_ext.patch(model, "dynamic", factor=4)
+    get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=2)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"is a peft adapter folder .* rope_ext.save_record\(folder, base, model\)"):
+        rope_ext.from_pretrained(tmp_path)
