@@ -181,7 +181,11 @@ def output_arguments(parser) -> None:
 
 
 def no_arguments(parser: argparse.ArgumentParser) -> None:
-    """`rope-ext methods` and `rope-ext env`."""
+    """`rope-ext env`."""
+
+
+def methods(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="the listing as JSON (name -> summary, formula, params, dynamic)")
 
 
 def demo(parser: argparse.ArgumentParser) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import platform
 import sys
 from importlib import metadata
 
-from rope_ext import arguments, extras
+from rope_ext import arguments, catalog, extras
 
 # name -> (module, its arguments in rope_ext.arguments, one-line help); "eval X" commands are nested under `eval`
 COMMANDS = {
@@ -25,7 +26,7 @@ COMMANDS = {
         arguments.patch_checkpoint,
         "write a patched checkpoint (weights untouched) and say what each engine serves from it",
     ),
-    "methods": ("rope_ext.cli", arguments.no_arguments, "list the scaling methods and their parameters"),
+    "methods": ("rope_ext.cli", arguments.methods, "list the scaling methods and their parameters (--json)"),
     "env": ("rope_ext.cli", arguments.no_arguments, "versions, device, bf16 support and threads, for bug reports"),
     "eval ppl": ("rope_ext.evals.perplexity", arguments.perplexity, "sliding-window perplexity of long documents"),
     "eval passkey": ("rope_ext.evals.passkey", arguments.passkey, "passkey retrieval over lengths x depths"),
@@ -60,12 +61,8 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, plan: None = None) -> int:
     if args.command == "env":
         return env()
-    import rope_ext
-
-    for name, spec in rope_ext.methods().items():
-        params = ", ".join(f"{k}={v}" for k, v in spec["params"].items())
-        kind = "dynamic" if spec["dynamic"] else "static"
-        print(f"{name:13} {kind:8} {spec['summary']}\n{'':23}{spec['formula']}\n{'':23}params: {params}")
+    listing = catalog.read()
+    print(json.dumps(listing, indent=1) if args.json else catalog.text(listing))
     return 0
 
 

@@ -77,6 +77,33 @@ def test_top_level_help_and_version_start_without_torch(argv):
     assert out.strip().splitlines()[-1] == "False False"
 
 
+@pytest.mark.parametrize("argv", [["methods"], ["methods", "--json"]])
+def test_methods_answers_without_torch(argv):
+    code = (
+        "import sys\nfrom rope_ext import cli\n"
+        f"cli.main({argv!r})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+    if "--json" in argv:
+        import json
+
+        assert json.loads(out[: out.rindex("\n[]")]) == json.loads(json.dumps(rope_ext.methods()))
+    else:
+        assert re.search(r"^yarn +static +YaRN", out, flags=re.MULTILINE)
+
+
+def test_the_shipped_catalog_is_the_registry_s_listing():
+    """rope_ext/catalog.json, which `rope-ext methods` reads without torch: after a change to a
+    method, `python -m rope_ext.catalog` writes it anew."""
+    import json
+
+    from rope_ext import catalog
+
+    assert catalog.read() == json.loads(json.dumps(rope_ext.methods()))
+
+
 def test_no_progress_quiets_transformers_too(tmp_path, monkeypatch):
     def fails(*args, **kwargs):
         raise ValueError("stop here")
