@@ -144,3 +144,28 @@ def test_the_code_follows_its_formatter():
     """`ruff format` with the project's configuration (pyproject.toml) leaves every file as it is."""
     result = subprocess.run([sys.executable, "-m", "ruff", "format", "--check", str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_front_door_names_every_method_and_stays_short():
+    """The README's pitch (its first paragraph) and pyproject's description name every registered
+    method; the README stays about 200 lines (results, benchmarks and concepts live in docs/)."""
+    import tomllib
+
+    readme = (ROOT / "README.md").read_text()
+    pitch = readme.split("\n\n")[1]
+    description = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["description"]
+    for name in methods.REGISTRY:
+        assert f"`{name}`" in pitch and name in description, name
+    assert len(readme.splitlines()) <= 200
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves():
+    import re
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert broken == []
