@@ -50,17 +50,23 @@ def test_a_patch_does_not_reach_a_model_that_shares_its_config(tmp_path):
     assert first.model.layers[0].self_attn.config is first.config
 
 
-@pytest.mark.parametrize("after", ["unpatch", "yarn", "dynamic"])
-def test_a_cache_a_rotate_inside_patch_filled_is_refused_once_that_patch_is_gone(after):
-    """dynamic keeps keys before rotation in the cache; unpatched, or patched anew (with a static
-    method that expects rotated keys, or with another rotate-inside patch that does not know where
-    they sit), the model would read them wrong: the next step raises instead."""
+def filled_under_dynamic():
+    """(model patched with dynamic x4, ids past its window, a cache holding all but the last of them)."""
     model = random_model()
     rope_ext.patch(model, "dynamic", factor=4)
     x = random_ids(WINDOW + 8)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(x[:, :-1], cache=cache, use_cache=True)
+    return model, x, cache
+
+
+@pytest.mark.parametrize("after", ["unpatch", "yarn", "dynamic"])
+def test_a_cache_a_rotate_inside_patch_filled_is_refused_once_that_patch_is_gone(after):
+    """dynamic keeps keys before rotation in the cache; unpatched, or patched anew (with a static
+    method that expects rotated keys, or with another rotate-inside patch that does not know where
+    they sit), the model would read them wrong: the next step raises instead."""
+    model, x, cache = filled_under_dynamic()
     if after == "unpatch":
         rope_ext.unpatch(model)
     else:
@@ -157,12 +163,7 @@ def test_longrope_factors_that_would_give_infinite_frequencies_are_refused(tiny)
 def test_a_deepcopied_cache_is_refused_naming_the_copy():
     import copy
 
-    model = random_model()
-    rope_ext.patch(model, "dynamic", factor=4)
-    x = random_ids(WINDOW + 4)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(x[:, :-1], cache=cache, use_cache=True)
+    model, x, cache = filled_under_dynamic()
     with pytest.raises(RuntimeError, match="a copy made with copy.deepcopy"), torch.no_grad():
         model(x[:, -1:], cache=copy.deepcopy(cache), use_cache=True)
 
