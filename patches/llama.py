@@ -176,6 +176,26 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
+# Config fields that declare attention over a selection of keys shorter than the sequence: a chunk
+# (Llama 4's attention_chunk_size), the top-k of an indexer (DeepSeek-V3.2's index_topk; Qwen4-Exp's
+# indexer_budget blocks of indexer_compress_ratio tokens). The probe's forward of a few tokens sits
+# inside any of them, so what it proves of attention says nothing past them.
+KEY_SELECTION = {"attention_chunk_size": None, "index_topk": None, "indexer_budget": "indexer_compress_ratio"}
+
+
+def key_selection(config) -> tuple[str, int] | None:
+    """(field, tokens) of the smallest key selection `config` sets among the fields its class
+    declares (a field set on a config whose architecture has none is not read), or None."""
+    declared = {name for cls in type(config).__mro__ for name in getattr(cls, "__annotations__", {})}
+    found = []
+    for key, unit in KEY_SELECTION.items():
+        size = getattr(config, key, None) if key in declared else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            per = getattr(config, unit, None) if unit else None
+            found.append((key, size * (per or 1)))
+    return min(found, key=lambda item: item[1], default=None)
+
+
 def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
     """Each attention module's softmax `scaling` as its class sets it at construction from the
     model's config holding `rope`, for the modules that keep one and whose class builds from the
@@ -437,6 +457,15 @@ class LlamaFamily(FamilyAdapter):
         if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
             found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
             raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
+        selection = key_selection(site.config)
+        if isinstance(rotary.method, AttentionMethod) and selection is not None and selection[1] < max_length:
+            key, size = selection
+            raise ValueError(
+                f"{rotary.method.name}: the model's attention selects keys (config {key}: {size} tokens), fewer than the "
+                f"{max_length} the patch is meant for; the probe's short forward cannot see that selection, and "
+                f"{rotary.method.name}, which computes attention itself over every key it places, would not keep it; "
+                "methods that change the rotary module's output apply"
+            )
         if (current := self.installed(site)) is not None:
             current.retire_caches()
             self._detach(site)

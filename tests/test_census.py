@@ -42,7 +42,7 @@ ATTENTION_SIDE = ("self_extend", "sink_window", "dca")
 MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
 # The refusal attention-side methods give on their own, besides the probe's REASONS.
-METHOD_REASONS = {"sliding-window": "attend through a sliding window"}
+METHOD_REASONS = {"sliding-window": "attend through a sliding window", "key-selection": "the model's attention selects keys"}
 # patch()'s own refusal of a checkpoint whose scaling records no pretraining window
 # (rope_ext.patching): the user gives original_window=, the census has no window to give.
 PATCH_REASONS = {"no-window": "does not record the window it was pretrained with"}

@@ -120,6 +120,7 @@ SHAPES = {
     "deepseek-v3": (
         "deepseek_v3",
         {
+            "index_topk": None,  # the census's MLA shape sets it for DeepSeek-V3.2; V3's config has none
             "max_position_embeddings": WINDOW * 40,
             "rope_parameters": {
                 "rope_type": "yarn",
@@ -201,7 +202,7 @@ REFUSED = {
     "mistral-swa": {"sink_window": "sliding-window", "dca": "sliding-window"},
     "gemma-2": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
     "gpt-oss": {"self_extend": "attention", "sink_window": "sliding-window", "dca": "sliding-window"},
-    # Llama 4 multiplies complex freqs_cis into its queries and keys itself
+    # Llama 4 multiplies complex freqs_cis into its queries and keys itself (and attends in chunks)
     "llama-4-scout": {"self_extend": "rotation", "sink_window": "rotation", "dca": "rotation"},
 }
 # shapes that ship a scaling a patch extends, and the context each serves as loaded

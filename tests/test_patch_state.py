@@ -204,3 +204,39 @@ def test_a_peft_adapter_folder_without_the_patch_is_refused_naming_the_remedy(tm
     get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=2)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"is a peft adapter folder .* rope_ext.save_record\(folder, base, model\)"):
         rope_ext.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, expected",
+    [
+        ("llama4_text", {"attention_chunk_size": 32}, ("attention_chunk_size", 32)),
+        ("deepseek_v32", {"index_topk": 48}, ("index_topk", 48)),
+        ("qwen4_exp_text", {}, ("indexer_budget", 8)),  # the census's 4 blocks of 2 tokens
+    ],
+)
+def test_the_key_selection_a_config_declares_is_read_from_the_fields_of_its_class(model_type, overrides, expected):
+    """A chunk or an indexer's top-k: read where the architecture's config class declares the field,
+    not where a config merely carries it."""
+    from census_configs import config_for
+    from transformers import LlamaConfig
+
+    from rope_ext.patches.llama import key_selection
+
+    assert key_selection(config_for(model_type, **overrides)) == expected
+    assert key_selection(LlamaConfig(attention_chunk_size=32, index_topk=48)) is None
+
+
+@pytest.mark.parametrize("method", ["self_extend", "rerope", "string", "dca", "sink_window"])
+def test_a_key_selection_shorter_than_the_patch_refuses_the_methods_that_compute_attention(method, monkeypatch):
+    """The probe's few tokens sit inside a chunk or a top-k: the methods that attend themselves are
+    refused at patch(), changing nothing; the static ones apply. (A LLaMA made to declare a chunk
+    of 32 tokens, as Llama 4's config does.)"""
+    from rope_ext.patches import llama
+
+    monkeypatch.setattr(llama, "key_selection", lambda config: ("attention_chunk_size", 32))
+    model = random_model()
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match=r"the model's attention selects keys \(config attention_chunk_size: 32 tokens\)"):
+        rope_ext.patch(model, method, factor=4)
+    assert model.config.to_dict() == before and rope_ext.describe(model) is None
+    assert rope_ext.patch(model, "yarn", factor=4).native is not None
