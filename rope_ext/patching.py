@@ -147,6 +147,7 @@ def patch(
     }
     if shipped := shipped_of(rotary.method):
         starts_from["attention_factor"] = shipped.attention_factor
+    native = adapter.install(site, rotary, transforms, applied.max_length)
     if _saved is None and starts_from["source"] == "max_position_embeddings":
         warnings.warn(
             f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "
@@ -155,7 +156,6 @@ def patch(
             UserWarning,
             stacklevel=2,
         )
-    native = adapter.install(site, rotary, transforms, applied.max_length)
     config = site.config
     record.write(config, applied)
     PatchedModel(site.model, method, applied.max_length, native is not None).install()
