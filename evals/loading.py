@@ -131,9 +131,15 @@ def load_finetuned(folder: Path, dtype, attn_implementation: str):
 
 
 def apply_method(
-    model, method: str = PLAIN, factor: float | None = None, params: dict | None = None, original_window: int | None = None
+    model,
+    method: str = PLAIN,
+    factor: float | None = None,
+    params: dict | None = None,
+    original_window: int | None = None,
+    allow_shrink: bool = False,
 ):
-    """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo;
+    """Patch the model with `method` (replacing any earlier patch) and return the PatchInfo, over
+    `original_window` or, for the embedded SmolLM2, its card's window;
     `plain` removes any patch and returns None; None leaves the model as loaded (a checkpoint
     saved patched keeps its patch: describe_setup records it) and returns None."""
     params = params or {}
@@ -148,7 +154,7 @@ def apply_method(
         return None
     window = original_window or embedded_window(model)
     extra = {} if window is None else {"original_window": window}
-    return rope_ext.patch(model, method, factor=factor, **extra, **params)
+    return rope_ext.patch(model, method, factor=factor, allow_shrink=allow_shrink, **extra, **params)
 
 
 def check_method(

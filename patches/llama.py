@@ -236,10 +236,8 @@ def shipped_scaling(site: RotarySite, record: dict, original_cls: type) -> Shipp
     rotary = original_cls(config)
     layer_type = site.layer_type
     return ShippedScaling(
-        rope_type=base["scaling"],
         inv_freq=tuple(getattr(rotary, typed("inv_freq", layer_type)).float().tolist()),
         attention_factor=attention_scaling(rotary, layer_type),
-        window=int(record["original_window"]),
     )
 
 

@@ -412,8 +412,11 @@ def _rotation(real, identity, cos, sin, upcast: bool = False):
     spans = ("leading", "trailing") if identity.shape[-1] > cos.shape[-1] else ("leading",)
     for channels in spans:
         for layout in ("half", "interleaved"):
-            rotated = apply_rotary(identity.float(), cos.float(), sin.float(), layout, channels) if upcast else None
-            if torch.equal(apply_rotary(identity, cos, sin, layout, channels) if not upcast else rotated.to(real.dtype), real):
+            if upcast:
+                rotated = apply_rotary(identity.float(), cos.float(), sin.float(), layout, channels).to(real.dtype)
+            else:
+                rotated = apply_rotary(identity, cos, sin, layout, channels)
+            if torch.equal(rotated, real):
                 return layout, channels
     return False
 

@@ -30,11 +30,12 @@ def check(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace, params: dict) -> int:
     import rope_ext
     from rope_ext import serving
+    from rope_ext.evals.loading import apply_method
+    from rope_ext.patching import engine_verdicts
 
     source = defaults.resolve_checkpoint(args.model)
     model = rope_ext.from_pretrained(source, dtype="auto")
-    extra = {} if args.original_window is None else {"original_window": args.original_window}
-    info = rope_ext.patch(model, args.method, factor=args.factor, allow_shrink=args.allow_shrink, **extra, **params)
+    info = apply_method(model, args.method, args.factor, params, args.original_window, args.allow_shrink)
     out = Path(args.out)
     model.save_pretrained(out)
     copied = "tokenizer"
@@ -49,13 +50,7 @@ def run(args: argparse.Namespace, params: dict) -> int:
     print(f"{args.method} x{info.factor:g}: {scaling} over a {info.original_window}-token window ({base['source']}),")
     print(f"meant for {info.max_length} tokens; wrote {out} (weights, config, {copied}, generation config)")
     transformers = "as patched" if info.native else "unpatched (rope_ext.from_pretrained re-applies the patch)"
-    found = {"transformers": transformers, **serving.verdicts(serving.written(model), *installed(model), info.native is not None)}
+    found = {"transformers": transformers, **engine_verdicts(model, info.native is not None)}
     print("what each engine serves from the written config.json:")
     print(serving.table(found))
     return 0
-
-
-def installed(model):
-    from rope_ext.patching import installed_patch, installed_rotary
-
-    return installed_patch(model), installed_rotary(model)

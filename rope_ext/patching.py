@@ -255,7 +255,7 @@ class PatchedModel:
                 stacklevel=2,
             )
         else:
-            found = serving.verdicts(serving.written(self.model), installed_patch(self.model), installed_rotary(self.model), True)
+            found = engine_verdicts(self.model, native=True)
             differ = {engine: verdict for engine, verdict in found.items() if verdict.startswith("not as patched")}
             if differ:
                 listed = "; ".join(f"{engine} {verdict}" for engine, verdict in differ.items())
@@ -294,6 +294,12 @@ def installed_patch(model: nn.Module) -> Patch | None:
     if rotary is None:
         return None
     return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry, adapter.layer_types(site))
+
+
+def engine_verdicts(model: nn.Module, native: bool) -> dict[str, str]:
+    """engine -> what it serves from the config.json a save of this patched model writes, `native`
+    where that config holds the patch's native form (rope_ext.serving.verdicts)."""
+    return serving.verdicts(serving.written(model), installed_patch(model), installed_rotary(model), native)
 
 
 def describe(model: nn.Module) -> dict | None:

@@ -25,6 +25,7 @@ import torch
 
 from .geometry import RotaryGeometry
 from .method.base import Method, default_inv_freq
+from .method.longrope import longrope_powers
 
 # Shipped scalings a patch can extend from: one set of frequencies at every length. longrope
 # switches between two sets at its pretraining window and dynamic NTK follows the length, so a
@@ -39,14 +40,11 @@ QUERY_SCALE_KEY = "llama_4_scaling_beta"
 
 @dataclass(frozen=True)
 class ShippedScaling:
-    """The shipped rotary frequencies (fp32 values, one per rotated pair), the factor the shipped
-    rotary module puts on cos/sin, and the context the checkpoint serves (the window a patch
-    extends)."""
+    """The shipped rotary frequencies (fp32 values, one per rotated pair) and the factor the shipped
+    rotary module puts on cos/sin. (The window it serves is the patch's geometry's.)"""
 
-    rope_type: str
     inv_freq: tuple[float, ...]
     attention_factor: float
-    window: int
 
     def compose(self, geom: RotaryGeometry, inv_freq: torch.Tensor, attention_factor: float) -> tuple[torch.Tensor, float]:
         """The shipped frequencies times the method's per-pair change (its `inv_freq` over the
@@ -63,9 +61,6 @@ class ShippedScaling:
         powers = longrope_powers(geom)
         factors = (1.0 / (shipped.double() * ratio * powers.double())).float()
         return 1.0 / (factors * powers), temperature
-
-    def to_dict(self) -> dict:
-        return {"scaling": self.rope_type, "window": self.window, "attention_factor": self.attention_factor}
 
 
 def served_context(rope: dict, max_position_embeddings: int) -> int:
@@ -95,11 +90,6 @@ def with_shipped_base(method: Method, shipped: ShippedScaling | None) -> Method:
 
 def shipped_of(method: Method) -> ShippedScaling | None:
     return method.fn.shipped if isinstance(method.fn, ShippedBase) else None
-
-
-def longrope_powers(geom: RotaryGeometry) -> torch.Tensor:
-    """base^(2i/D) in fp32, as transformers' longrope computes it."""
-    return geom.base ** (torch.arange(0, geom.rotary_dim, 2, dtype=torch.int64).float() / geom.rotary_dim)
 
 
 def longrope_factors(geom: RotaryGeometry, inv_freq: torch.Tensor) -> list[float] | None:

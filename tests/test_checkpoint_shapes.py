@@ -20,7 +20,7 @@ import torch
 from test_census import WINDOW, check, ids, logits, tiny
 
 import rope_ext
-from rope_ext.shipped import served_context
+from rope_ext.patching import engine_verdicts
 
 SHAPES = {
     # meta-llama/Llama-3.1-8B config.json: max_position_embeddings 131072, rope_theta 500000, llama3
@@ -363,10 +363,7 @@ def test_unpatch_gives_back_the_checkpoint_s_own_scaling(shape):
 
 
 def verdicts_of(model, info) -> dict:
-    from rope_ext import serving
-    from rope_ext.patching import installed_patch, installed_rotary
-
-    return serving.verdicts(serving.written(model), installed_patch(model), installed_rotary(model), info.native is not None)
+    return engine_verdicts(model, info.native is not None)
 
 
 @pytest.mark.parametrize(

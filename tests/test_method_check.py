@@ -9,6 +9,7 @@ import re
 import pytest
 import yaml
 from helpers import cli_error_line, random_model, required_params
+from test_patch import YARN_PARAMS
 from lm_eval.models.huggingface import HFLM
 
 import rope_ext
@@ -36,14 +37,7 @@ def test_check_gives_the_bound_method_the_factor_and_the_params():
     method, factor, params = methods.check("yarn", 4, {"beta_fast": 16})
     assert method is methods.REGISTRY["yarn"]
     assert factor == 4.0 and isinstance(factor, float)
-    assert params == {
-        "beta_fast": 16,
-        "beta_slow": 1.0,
-        "truncate": True,
-        "attention_factor": None,
-        "mscale": None,
-        "mscale_all_dim": None,
-    }
+    assert params == YARN_PARAMS
     assert methods.check("alibi_hybrid", 4, {"rope": "yarn"})[0].rope is methods.REGISTRY["yarn"]
 
 

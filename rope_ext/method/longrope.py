@@ -38,6 +38,12 @@ def longrope_attention_factor(factor: float, window: int) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(window))
 
 
+def longrope_powers(geom: RotaryGeometry) -> torch.Tensor:
+    """base^(2i/D) in fp32, as transformers' longrope computes it: its frequencies are 1 / (lambda_i
+    times these)."""
+    return geom.base ** (torch.arange(0, geom.rotary_dim, 2, dtype=torch.int64).float() / geom.rotary_dim)
+
+
 def longrope(
     geom: RotaryGeometry,
     seq_len: int | None = None,
@@ -50,8 +56,7 @@ def longrope(
     """theta_i / lambda_i with lambda = long_factor when seq_len > L, else short_factor; the same
     attention factor for both sets."""
     chosen = long_factor if seq_len and seq_len > geom.original_window else short_factor
-    exponents = torch.arange(0, geom.rotary_dim, 2, dtype=torch.int64).float() / geom.rotary_dim
-    inv_freq = 1.0 / (torch.tensor(chosen, dtype=torch.float32) * geom.base**exponents)
+    inv_freq = 1.0 / (torch.tensor(chosen, dtype=torch.float32) * longrope_powers(geom))
     scale = longrope_attention_factor(factor, geom.original_window) if attention_factor is None else attention_factor
     return inv_freq, scale
 
