@@ -41,7 +41,8 @@ def exact_rows(module, query, key, value, mask, attend: Callable, offset: int, r
 
 
 # The largest fp32 attention-score block ([B, heads, rows, keys]) one call here may build: the masks
-# of masked calls (rope_ext.method.self_extend) and the scores of attend_with_lse off the CPU.
+# of masked calls (rope_ext.method.self_extend) and the scores of attend_with_lse on a device with
+# no fused kernel here.
 SCORE_BYTES = 128 << 20
 
 
@@ -49,36 +50,84 @@ def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tens
     """(output [B, H, Sq, D], logsumexp [B, H, Sq] in fp32) of softmax attention; `causal` aligns
     the first query with the first key, `mask` is additive in the query's dtype. Key heads may be
     grouped, and values may have another head size than queries and keys (multi-head latent
-    attention). A row that sees no key has lse 0 and output 0 (the CPU kernel's convention)."""
-    if query.device.type == "cpu":
-        # torch's CPU flash kernel, which sdpa runs on the CPU, also returns the logsumexp; it takes
-        # one head size, so the smaller side gets zero channels, which add nothing to scores or outputs
-        size, width = query.shape[-1], value.shape[-1]
-        if width < size:
-            value = torch.nn.functional.pad(value, (0, size - width))
-        elif width > size:
-            scale = size**-0.5 if scale is None else scale
-            query, key = (torch.nn.functional.pad(x, (0, width - size)) for x in (query, key))
-        batch, heads, rows, dim = query.shape
-        groups = heads // key.shape[1]
-        if rows == 1 and groups > 1 and not causal and (mask is None or mask.shape[1] == 1):
-            # one row of grouped heads (a decode step): the heads of each key head as rows of one
-            # call, so that its keys are read once, not once per head (transformers' pack_gqa)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query.reshape(batch, heads // groups, groups, dim), key, value, 0.0, False, attn_mask=mask, scale=scale
-            )
-            return out.reshape(batch, heads, 1, out.shape[-1])[..., :width], lse.reshape(batch, heads, 1)
+    attention). A row that sees no key has lse 0 and output 0 (the CPU kernel's convention).
+
+    The CPU and CUDA run torch's fused kernels (`FUSED`), which never hold a [rows, keys] score
+    tensor; other devices compute the scores in blocks (`attend_with_lse_by_scores`)."""
+    kernel = FUSED.get(query.device.type, attend_with_lse_by_scores)
+    return kernel(query, key, value, causal=causal, mask=mask, scale=scale)
+
+
+def one_head_size(query, key, value, scale: float | None):
+    """(query, key, value, width, scale) with one head size for all three, as torch's flash kernels
+    take them: the smaller side gets zero channels, which add nothing to scores or outputs; the
+    output's first `width` channels are the attention's."""
+    size, width = query.shape[-1], value.shape[-1]
+    if width < size:
+        value = torch.nn.functional.pad(value, (0, size - width))
+    elif width > size:
+        scale = size**-0.5 if scale is None else scale
+        query, key = (torch.nn.functional.pad(x, (0, width - size)) for x in (query, key))
+    return query, key, value, width, scale
+
+
+def attend_on_cpu(query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None):
+    """attend_with_lse through torch's CPU flash kernel, which sdpa runs on the CPU and which also
+    returns the logsumexp."""
+    query, key, value, width, scale = one_head_size(query, key, value, scale)
+    batch, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    if rows == 1 and groups > 1 and not causal and (mask is None or mask.shape[1] == 1):
+        # one row of grouped heads (a decode step): the heads of each key head as rows of one
+        # call, so that its keys are read once, not once per head (transformers' pack_gqa)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=mask, scale=scale
+            query.reshape(batch, heads // groups, groups, dim), key, value, 0.0, False, attn_mask=mask, scale=scale
         )
+        return out.reshape(batch, heads, 1, out.shape[-1])[..., :width], lse.reshape(batch, heads, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, causal, attn_mask=mask, scale=scale
+    )
+    return out[..., :width], lse
+
+
+# the memory-efficient CUDA kernel reads its additive mask in rows whose stride is a multiple of
+# this many elements (torch pads a mask for it the same way inside sdpa)
+MASK_ALIGNMENT = 16
+
+
+def attend_on_cuda(query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None):
+    """attend_with_lse through torch's fused CUDA kernels. FlashAttention-2 takes the calls in
+    half precision without a mask, grouped key heads as they are; its causal mask aligns the
+    last query with the last key, which is the first-with-first of this function only on a square
+    block. The memory-efficient kernel takes the others (fp32, an additive mask, a causal
+    non-square block: its causal mask is top-left), with key heads repeated to the query's, which
+    it does not group. Both keep scores on chip and return the logsumexp in fp32."""
+    batch, heads, rows, _ = query.shape
+    keys = key.shape[-2]
+    flash = (
+        mask is None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and (rows == keys or not causal)
+        and max(query.shape[-1], value.shape[-1]) <= 256
+    )
+    if flash:
+        query, key, value, width, scale = one_head_size(query, key, value, scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False, scale=scale)[:2]
         return out[..., :width], lse
-    return attend_with_lse_by_scores(query, key, value, causal=causal, mask=mask, scale=scale)
+    groups = heads // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    if mask is not None:
+        pad = -keys % MASK_ALIGNMENT
+        mask = torch.nn.functional.pad(mask, (0, pad))[..., :keys].expand(batch, heads, rows, keys)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, mask, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., :rows]  # the kernel pads the logsumexp's rows to a multiple of 32
 
 
 def attend_with_lse_by_scores(
     query, key, value, *, causal: bool = False, mask: torch.Tensor | None = None, scale: float | None = None
 ):
-    """attend_with_lse from explicit fp32 scores, for devices without torch's CPU kernel. Query rows
+    """attend_with_lse from explicit fp32 scores, for devices without a fused kernel here. Query rows
     go in blocks whose scores stay under SCORE_BYTES: the calls without a mask span all the rows
     and keys of a part, which as one block would be a [rows, keys] tensor."""
     groups = query.shape[1] // key.shape[1]
@@ -100,6 +149,10 @@ def attend_with_lse_by_scores(
         outputs.append((weights @ value).to(query.dtype))
         lses.append(torch.where(seen, lse, 0))
     return torch.cat(outputs, dim=2), torch.cat(lses, dim=-1)
+
+
+# device type -> the fused kernel attend_with_lse runs there
+FUSED = {"cpu": attend_on_cpu, "cuda": attend_on_cuda}
 
 
 def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:

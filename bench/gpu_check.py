@@ -1,0 +1,421 @@
+"""The GPU check: rope-ext on CUDA in one command, at most 8 minutes on one H200-class GPU.
+
+(a) Exactness. Every registered method, patched at --factor on a small random Llama (norm weights
+    moved off 1, so that a rotation that does not commute with a norm shows), over a prompt of
+    four windows: its CUDA logits against the same patch's CPU fp32 logits, in fp32 and in bf16,
+    and on CUDA in fp32 each of a few decode steps against the full forward. Every call of
+    rope_ext.attention.attend_with_lse on CUDA is counted: a fused kernel must take each, none may
+    build explicit scores. Tolerances (TOLERANCES): fp32 within 1e-4 of the largest reference logit
+    (kernels that sum in another order, nothing more); bf16 within three times the error the same
+    patch has in bf16 on the CPU (or plain RoPE has there, if larger): the GPU path adds no error
+    beyond bf16's own.
+(b) Speed. A random model of Llama-3.2-1B's shapes in bf16, at its pretraining window of 8192 (the
+    shipped llama3 scaling left out, so that every method acts from 8192 on) and the factor that
+    reaches the longest --lengths: one prefill of each length with a fresh DynamicCache (the
+    logits of the last token only), then --new-tokens greedy decode steps, against the unpatched
+    model on torch's sdpa (FlashAttention-2 on this GPU). Each variant is warmed up once at the
+    window plus 1024 tokens first. A run whose prefill, predicted from the variant's last one by
+    its growth with the length (Budget.refusal), would not fit in what is left of --budget-s, is
+    skipped and says so.
+(c) Memory: the peak of torch's CUDA allocator over each run's prefill and decode.
+
+The results go to --out as JSON (written after every run, so that a check stopped early keeps what
+it measured) with their provenance, and as tables on stdout. --dry-run runs everything on the CPU
+at toy sizes (the suite runs it); docs/gpu.md says how to bring the project and the wheels it
+needs to a GPU machine without network.
+
+    python bench/gpu_check.py --out docs/results/gpu-check.json
+    python bench/gpu_check.py --dry-run --out /tmp/gpu-dry-run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import rope_ext
+from rope_ext.attention import parts
+from rope_ext.evals.compare import parse_specs
+from rope_ext.evals.output import checkout_state, markdown_table, source_root
+from rope_ext.method import REGISTRY
+
+PLAIN = "plain"
+# (a)'s model: small enough for the CPU reference, with grouped key heads and several layers
+SMALL = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
+# meta-llama/Llama-3.2-1B, config.json as published on the Hugging Face hub; its rope_scaling
+# (llama3, factor 32 from original_max_position_embeddings 8192) is left out and the window is the
+# 8192 it states as original
+LLAMA_32_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+TOY = dict(SMALL, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+# what a method needs beyond --factor to be patched: longrope's per-pair factors (a rising ramp,
+# so that each pair differs) and ntk_alpha's alpha
+EXTRA = {
+    "ntk_alpha": lambda pairs, factor: {"alpha": factor},
+    "longrope": lambda pairs, factor: {
+        "long_factor": torch.linspace(1.0, factor, pairs).tolist(),
+        "short_factor": torch.linspace(1.0, 1.25, pairs).tolist(),
+    },
+}
+TOLERANCES = {"fp32_of_largest_logit": 1e-4, "bf16_over_cpu_bf16": 3.0}
+SPEED = ["plain", "yarn", "dynamic:granularity=1024", "self_extend", "rerope", "string", "dca", "sink_window", "dynamic"]
+DECODE_CHECK_STEPS = 4
+
+
+def random_llama(shape: dict, seed: int = 0, device="cpu") -> LlamaForCausalLM:
+    """A random Llama of `shape` on sdpa, its norm weights drawn from [0.5, 1.5]."""
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).eval()
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.data.uniform_(0.5, 1.5)
+    return model
+
+
+def method_params(name: str, model, factor: float) -> dict:
+    pairs = model.config.head_dim // 2
+    return EXTRA[name](pairs, factor) if name in EXTRA else {}
+
+
+class KernelCount:
+    """Counts the calls of attend_with_lse's kernel on one device type and of the explicit-score
+    path while installed (a context manager)."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.fused = self.scores = 0
+
+    def __enter__(self):
+        self._fused, self._scores = parts.FUSED[self.device_type], parts.attend_with_lse_by_scores
+
+        def fused(*args, **kwargs):
+            self.fused += 1
+            return self._fused(*args, **kwargs)
+
+        def scores(*args, **kwargs):
+            self.scores += 1
+            return self._scores(*args, **kwargs)
+
+        parts.FUSED[self.device_type], parts.attend_with_lse_by_scores = fused, scores
+        return self
+
+    def __exit__(self, *exc):
+        parts.FUSED[self.device_type], parts.attend_with_lse_by_scores = self._fused, self._scores
+
+
+def patched_copy(model, name: str, factor: float, device, dtype):
+    twin = copy.deepcopy(model).to(device=device, dtype=dtype)
+    rope_ext.patch(twin, name, factor=factor, **method_params(name, model, factor))
+    return twin
+
+
+@torch.inference_mode()
+def logits(model, ids) -> torch.Tensor:
+    return model(ids.to(model.device)).logits.float().cpu()
+
+
+@torch.inference_mode()
+def decode_gap(model, ids, steps: int) -> float:
+    """Largest |decode logits - full-forward logits| over `steps` decode steps after a prefill of
+    the rest of `ids`."""
+    ids = ids.to(model.device)
+    full = model(ids).logits.float()
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :-steps], cache=cache, use_cache=True)
+    gap = 0.0
+    for at in range(ids.shape[1] - steps, ids.shape[1]):
+        step = model(ids[:, at : at + 1], cache=cache, use_cache=True).logits.float()[:, -1]
+        gap = max(gap, (step - full[:, at]).abs().max().item())
+    return gap
+
+
+def exactness(device: torch.device, shape: dict, factor: float) -> dict:
+    """(a): {method: {errors, kernel counts, passed}} for every registered method."""
+    base = random_llama(shape)
+    window = shape["max_position_embeddings"]
+    ids = torch.randint(shape["vocab_size"], (1, 4 * window + 5), generator=torch.Generator().manual_seed(1))
+    plain_bf16 = (logits(copy.deepcopy(base).to(torch.bfloat16), ids) - logits(base, ids)).abs().max().item()
+    results = {}
+    for name in tqdm(sorted(REGISTRY), desc="(a) exactness"):
+        try:
+            reference = logits(patched_copy(base, name, factor, "cpu", torch.float32), ids)
+            cpu_bf16 = (logits(patched_copy(base, name, factor, "cpu", torch.bfloat16), ids) - reference).abs().max().item()
+            with KernelCount(device.type) as count:
+                fp32_model = patched_copy(base, name, factor, device, torch.float32)
+                fp32 = (logits(fp32_model, ids) - reference).abs().max().item()
+                decode = decode_gap(fp32_model, ids, DECODE_CHECK_STEPS)
+                del fp32_model
+                bf16 = (logits(patched_copy(base, name, factor, device, torch.bfloat16), ids) - reference).abs().max().item()
+        except (ValueError, RuntimeError) as error:
+            results[name] = {"error": f"{type(error).__name__}: {error}", "passed": False}
+            continue
+        scale = reference.abs().max().item()
+        fp32_limit = TOLERANCES["fp32_of_largest_logit"] * max(1.0, scale)
+        bf16_limit = TOLERANCES["bf16_over_cpu_bf16"] * max(cpu_bf16, plain_bf16)
+        results[name] = {
+            "largest_logit": scale,
+            "fp32_max_abs": fp32,
+            "decode_fp32_max_abs": decode,
+            "bf16_max_abs": bf16,
+            "cpu_bf16_max_abs": cpu_bf16,
+            "plain_cpu_bf16_max_abs": plain_bf16,
+            "fused_calls": count.fused,
+            "explicit_score_calls": count.scores,
+            "passed": fp32 <= fp32_limit and decode <= fp32_limit and bf16 <= bf16_limit and count.scores == 0,
+        }
+    return results
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def timed_run(model, ids, new_tokens: int, device: torch.device) -> dict:
+    """One prefill of `ids` with a fresh DynamicCache, then `new_tokens` greedy steps: seconds,
+    decode milliseconds per token (median step), peak GiB of the CUDA allocator."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    cache = DynamicCache(config=model.config)
+    synchronize(device)
+    begin = time.perf_counter()
+    token = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+    synchronize(device)
+    prefill = time.perf_counter() - begin
+    steps = []
+    for _ in range(new_tokens):
+        begin = time.perf_counter()
+        token = model(token, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        synchronize(device)
+        steps.append(time.perf_counter() - begin)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"prefill_s": prefill, "decode_ms": 1e3 * statistics.median(steps), "peak_gib": peak}
+
+
+class Budget:
+    """What is left of (b)'s seconds, and each variant's last prefill (length, seconds) to predict
+    the next one from."""
+
+    def __init__(self, seconds: float, window: int):
+        self.end = time.perf_counter() + seconds
+        self.window = window
+        self.last: dict[str, tuple[int, float]] = {}
+
+    def refusal(self, label: str, length: int) -> str | None:
+        """Why a prefill of `length` would not fit, or None. The prediction scales the last prefill
+        by the square of the length, or, where larger, by the rows past the window times the
+        length: the cost of the causal schedule (`dynamic`), one scaling per row past the window,
+        each against its whole key prefix."""
+        if label not in self.last:
+            return None
+        done, seconds = self.last[label]
+        growth = max((length / done) ** 2, (length - self.window) * length / ((done - self.window) * done))
+        predicted, left = seconds * growth, self.end - time.perf_counter()
+        if predicted <= left:
+            return None
+        return (
+            f"predicted prefill {predicted:.0f} s from {seconds:.2f} s at {done} tokens; {max(left, 0):.0f} s of the budget left"
+        )
+
+
+def measure(model, label: str, ids, warm, new_tokens: int, device, budget: Budget) -> dict:
+    """One variant at one length, warmed up first where it has not run yet."""
+    if label not in budget.last:
+        budget.last[label] = (warm.shape[1], timed_run(model, warm, 2, device)["prefill_s"])
+    reason = budget.refusal(label, ids.shape[1])
+    if reason:
+        return {"skipped": reason}
+    run = timed_run(model, ids, new_tokens, device)
+    budget.last[label] = (ids.shape[1], run["prefill_s"])
+    return run
+
+
+def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int, seconds: float, write) -> list:
+    """(b) and (c): one record per (variant, length), plain first at each length, each with its
+    ratios to plain's; `write(runs)` after each."""
+    window = shape["max_position_embeddings"]
+    factor = max(lengths) / window
+    model = random_llama(shape, device=device).to(torch.bfloat16)
+    ids = torch.randint(shape["vocab_size"], (1, max(lengths)), generator=torch.Generator().manual_seed(2)).to(device)
+    warm = ids[:, : window + min(window, 1024)]
+    budget, runs = Budget(seconds, window), []
+    for length in lengths:
+        plain = {}
+        for label, name, params in tqdm(parse_specs(SPEED, []), desc=f"(b) {length} tokens"):
+            record = {"variant": label, "length": length, "factor": None if name == PLAIN else factor}
+            reason = budget.refusal(label, length)
+            if reason:
+                record["skipped"] = reason
+            else:
+                if name != PLAIN:
+                    rope_ext.patch(model, name, factor=factor, **params)
+                try:
+                    record.update(measure(model, label, ids[:, :length], warm, new_tokens, device, budget))
+                except RuntimeError as error:  # a kernel's refusal or the GPU's memory: the other runs still count
+                    record["error"] = f"{type(error).__name__}: {error}"
+                    budget.last.pop(label, None)
+                finally:
+                    if name != PLAIN:
+                        rope_ext.unpatch(model)
+            plain = record if name == PLAIN else plain
+            if "prefill_s" in record and "prefill_s" in plain:
+                record["prefill_vs_plain"] = record["prefill_s"] / plain["prefill_s"]
+                record["decode_vs_plain"] = record["decode_ms"] / plain["decode_ms"]
+            runs.append(record)
+            write(runs)
+    return runs
+
+
+def provenance(device: torch.device, commit: str | None) -> dict:
+    state = checkout_state(source_root()) or checkout_state(Path.cwd())
+    if not state and commit:
+        state = {"git_commit": commit, "git_dirty": None}
+    return {
+        "rope_ext": rope_ext.__version__,
+        **state,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+
+
+def cell(value) -> str:
+    """A number as the tables show it: errors need their exponent, times three digits."""
+    if isinstance(value, float):
+        return f"{value:.2e}" if abs(value) < 0.01 and value else f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+def tables(results: dict) -> str:
+    exact = results.get("exactness", {})
+    lines = []
+    if exact:
+        lines.append(
+            markdown_table(
+                ["method", "fp32 max|d|", "decode fp32", "bf16 max|d|", "cpu bf16", "fused calls", "score calls", "passed"],
+                [
+                    [name]
+                    + [
+                        cell(r.get(key))
+                        for key in (
+                            "fp32_max_abs",
+                            "decode_fp32_max_abs",
+                            "bf16_max_abs",
+                            "cpu_bf16_max_abs",
+                            "fused_calls",
+                            "explicit_score_calls",
+                        )
+                    ]
+                    + [r.get("error", r["passed"])]
+                    for name, r in exact.items()
+                ],
+            )
+        )
+    runs = results.get("speed", [])
+    if runs:
+        lines.append(
+            markdown_table(
+                ["variant", "length", "prefill s", "x plain", "decode ms/token", "x plain", "peak GiB", "skipped"],
+                [
+                    [r["variant"], r["length"]]
+                    + [cell(r.get(key)) for key in ("prefill_s", "prefill_vs_plain", "decode_ms", "decode_vs_plain", "peak_gib")]
+                    + [r.get("skipped", "")]
+                    for r in runs
+                ],
+            )
+        )
+    return "\n\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="everything on the CPU at toy sizes")
+    parser.add_argument("--out", type=Path, required=True, help="the results JSON (replaced as the check goes)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="prefill lengths of (b) (default 32768 131072)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="decode steps after each prefill")
+    parser.add_argument("--factor", type=float, default=4.0, help="the factor of (a)")
+    parser.add_argument("--budget-s", type=float, default=330.0, help="seconds (b) may take")
+    parser.add_argument("--commit", help="the git commit checked out, where the copy run has no .git")
+    parser.add_argument("--skip-speed", action="store_true", help="(a) only")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        device, small = torch.device("cpu"), dict(TOY, max_position_embeddings=64)
+        big = small
+        lengths = args.lengths or [160, 320]
+    else:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device: run on a GPU, or pass --dry-run")
+        device, small, big = torch.device("cuda"), SMALL, LLAMA_32_1B
+        lengths = args.lengths or [32768, 131072]
+    if min(lengths) <= big["max_position_embeddings"] + 1024 and not args.dry_run:
+        parser.error(f"--lengths must be past the window plus the warm-up ({big['max_position_embeddings'] + 1024})")
+    begin = time.perf_counter()
+    results = {"provenance": provenance(device, args.commit), "tolerances": TOLERANCES, "dry_run": args.dry_run}
+
+    def write(runs=None) -> None:
+        if runs is not None:
+            results["speed"] = runs
+        results["wall_s"] = time.perf_counter() - begin
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        partial = args.out.with_suffix(".partial")
+        partial.write_text(json.dumps(results, indent=2))
+        os.replace(partial, args.out)
+
+    results["exactness_model"] = small
+    results["exactness"] = exactness(device, small, args.factor)
+    write()
+    print(tables(results), flush=True)
+    if not args.skip_speed:
+        results["speed_model"] = {"shape": big, "window": big["max_position_embeddings"], "dtype": "bfloat16"}
+        write(speed(device, big, lengths, args.new_tokens, args.budget_s, write))
+        print(tables({"speed": results["speed"]}))
+    print(f"wrote {args.out} ({results['wall_s']:.0f} s)")
+    return 0 if all(r["passed"] for r in results["exactness"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
