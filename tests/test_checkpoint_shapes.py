@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 
 import pytest
@@ -305,6 +306,30 @@ def test_a_patch_that_reads_less_than_the_checkpoint_is_refused_unless_asked(sha
     assert model.config.to_dict() == before and rope_ext.describe(model) is None
     info = rope_ext.patch(model, "yarn", factor=2, original_window=WINDOW, allow_shrink=True)
     assert info.max_length == 2 * WINDOW and info.starts_from == {"scaling": None, "window": WINDOW, "source": "original_window="}
+
+
+@pytest.mark.parametrize("given", [{"mscale_all_dim": 0.5}, {"mscale": 1.0, "mscale_all_dim": 1.0}])
+def test_a_temperature_split_the_shipped_scaling_fixes_is_refused_before_the_model_changes(given):
+    """DeepSeek's mscale_all_dim sets the softmax scale too, which an extension keeps as shipped:
+    a split given to it would leave cos/sin and the softmax unmatched (even with the shipped values,
+    which give the extension no temperature at all). Refused, naming the remedy; with it, accepted."""
+    model = model_of("deepseek-v3")
+    x = ids(2 * WINDOW, seed=5)
+    config, shipped = copy.deepcopy(model.config.to_dict()), logits(model, x)
+    modules = [(name, type(module)) for name, module in model.named_modules()]
+    named = re.escape(f"mscale_all_dim={given['mscale_all_dim']!r} contradicts")
+    with pytest.raises(ValueError, match=rf"{named} .* \(mscale 1\.0, mscale_all_dim 1\.0 .*original_window={WINDOW}$"):
+        rope_ext.patch(model, "yarn", factor=2, **given)
+    assert model.config.to_dict() == config and rope_ext.describe(model) is None
+    assert [(name, type(module)) for name, module in model.named_modules()] == modules
+    assert torch.equal(logits(model, x), shipped)
+    info = rope_ext.patch(model, "yarn", factor=80, original_window=WINDOW, **given)
+    assert info.params["mscale_all_dim"] == given["mscale_all_dim"]
+
+
+def test_a_temperature_split_is_the_extension_s_own_where_the_shipped_scaling_states_none():
+    info = rope_ext.patch(model_of("qwen2.5-yarn"), "yarn", factor=2, mscale=1.0, mscale_all_dim=0.5)
+    assert info.starts_from["scaling"] == "yarn" and info.params["mscale_all_dim"] == 0.5
 
 
 def test_a_window_that_contradicts_the_shipped_scaling_is_refused():
