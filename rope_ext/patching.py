@@ -148,7 +148,8 @@ def patch(
     }
     if shipped := shipped_of(rotary.method):
         starts_from["attention_factor"] = shipped.attention_factor
-    native = adapter.install(site, rotary, transforms, applied.max_length)
+    with record.unlisted_keys_quiet():  # install builds the written config back to check it
+        native = adapter.install(site, rotary, transforms, applied.max_length)
     if _saved is None and starts_from["source"] == "max_position_embeddings":
         warnings.warn(
             f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "

@@ -11,17 +11,24 @@ without being asked, and re-applying its own scaling with original_window= gives
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import logging
 import re
 import warnings
 
 import pytest
 import torch
+from helpers import required_params
 from test_census import WINDOW, check, ids, logits, tiny
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 import rope_ext
+from rope_ext.method import REGISTRY
 from rope_ext.patching import engine_verdicts
+from rope_ext.record import UNLISTED_KEYS
 
 SHAPES = {
     # meta-llama/Llama-3.1-8B config.json: max_position_embeddings 131072, rope_theta 500000, llama3
@@ -450,3 +457,58 @@ def test_ministral3_keeps_the_window_its_query_scale_reads():
     written = model.config.rope_parameters
     assert written["original_max_position_embeddings"] == shipped["original_max_position_embeddings"]
     assert written["llama_4_scaling_beta"] == shipped["llama_4_scaling_beta"]
+
+
+class Logged(logging.Handler):
+    """The messages transformers logs at WARNING or above while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, entry: logging.LogRecord) -> None:
+        self.messages.append(entry.getMessage())
+
+    def __enter__(self):
+        hf_logging.get_logger().addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc):
+        hf_logging.get_logger().removeHandler(self)
+
+
+def unlisted(message: str) -> bool:
+    """Whether `message` is transformers' "Unrecognized keys" naming only UNLISTED_KEYS of its type."""
+    found = re.match(r"Unrecognized keys in `rope_parameters` for 'rope_type'='(\w+)': (\{.*\})$", message)
+    return found is not None and ast.literal_eval(found[2]) <= UNLISTED_KEYS.get(found[1], set())
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_written_checkpoint_loads_without_a_transformers_warning(shape, tmp_path):
+    """Every method on every published shape: patch() and rope_ext.from_pretrained of the saved
+    checkpoint log nothing the shipped checkpoint's own load does not (Llama-4-Scout's config logs its
+    equal llama3 frequency factors); a plain transformers load adds only "Unrecognized keys" naming
+    UNLISTED_KEYS, the engines' keys and proportional's factor, which transformers does not list."""
+    base = model_of(shape)
+    base.save_pretrained(tmp_path / "shipped")
+    with Logged() as own:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "shipped")
+    patched = set()
+    for method in REGISTRY:
+        model = copy.deepcopy(base)
+        with Logged() as at_patch:
+            try:  # the census's head of 16 rotates 8 pairs in every shape
+                rope_ext.patch(model, method, factor=4, **GIVEN.get(shape, {}), **required_params(method, 8))
+            except ValueError:  # refused before any change, as test_published_shapes_are_patched_exactly lists
+                continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # save_pretrained's own warnings about engines are rope-ext's, not these
+            model.save_pretrained(tmp_path / method)
+        with Logged() as reloaded:
+            rope_ext.from_pretrained(tmp_path / method)
+        with Logged() as plain:
+            AutoConfig.from_pretrained(tmp_path / method)
+        assert set(at_patch) <= set(own) and set(reloaded) <= set(own), (method, at_patch, reloaded)
+        assert all(unlisted(message) for message in set(plain) - set(own)), (method, plain)
+        patched.add(method)
+    assert {"linear", "yarn", "llama3"} <= patched  # every shape takes these (MLA refuses proportional)
