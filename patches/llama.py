@@ -339,9 +339,11 @@ class LlamaFamily(FamilyAdapter):
         if (scaling := (record.get("starts_from") or {}).get("scaling")) is not None:
             # DeepSeek's split of the temperature: mscale_all_dim also sets the softmax scale (transformers'
             # deepseek_v3 reads it at construction), which an extension keeps as shipped; a split given for
-            # the extension would put the ratio on cos/sin with no softmax to match it
+            # the extension would put the ratio on cos/sin with no softmax to match it. Only where the shipped
+            # scaling moves the softmax scale: ministral3 states a split its attention does not read
             fixed = [key for key in TEMPERATURE_SPLIT if rope.get(key) is not None and given.get(key) is not None]
-            if fixed:
+            unscaled = rope_parameters(record["rope_parameters"], {"rope_type": "default"}, site.layer_type)
+            if fixed and softmax_scales(site, record["rope_parameters"]) != softmax_scales(site, unscaled):
                 passed = ", ".join(f"{key}={given[key]!r}" for key in fixed)
                 stated = ", ".join(f"{key} {rope[key]!r}" for key in TEMPERATURE_SPLIT if rope.get(key) is not None)
                 raise ValueError(

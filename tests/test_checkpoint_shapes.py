@@ -334,8 +334,12 @@ def test_a_temperature_split_the_shipped_scaling_fixes_is_refused_before_the_mod
     assert info.params["mscale_all_dim"] == given["mscale_all_dim"]
 
 
-def test_a_temperature_split_is_the_extension_s_own_where_the_shipped_scaling_states_none():
-    info = rope_ext.patch(model_of("qwen2.5-yarn"), "yarn", factor=2, mscale=1.0, mscale_all_dim=0.5)
+@pytest.mark.parametrize("model", ["qwen2.5-yarn", "ministral3"])
+def test_a_temperature_split_is_the_extension_s_own_where_no_softmax_takes_the_shipped_one(model):
+    """Qwen2.5's yarn states no split; ministral3's states mscale and mscale_all_dim 1.0, which its
+    attention does not read: the split given to the extension is its own ratio on cos/sin."""
+    model = tiny("ministral3") if model == "ministral3" else model_of(model)
+    info = rope_ext.patch(model, "yarn", factor=2, mscale=1.0, mscale_all_dim=0.5)
     assert info.starts_from["scaling"] == "yarn" and info.params["mscale_all_dim"] == 0.5
 
 
