@@ -56,7 +56,8 @@ class FamilyAdapter(ABC):
     def shipped_params(self, site, record: dict, method: Method, given: dict) -> dict:
         """The parameters of `method` that the checkpoint's own scaling states, for a patch that
         replaces that scaling by a method of its type (`record` from `original_record`); the ones
-        in `given` are the user's. {}: none."""
+        in `given` are the user's. {}: none. ValueError, before anything changes, for a parameter in
+        `given` that a patch extending the shipped scaling cannot take, since that scaling fixes it."""
         return {}
 
     def served_context(self, site, record: dict) -> int | None:

@@ -52,6 +52,8 @@ from .probe import (
 
 # positions spread over a window, at which a native form is checked against the patch
 PROBE_POSITIONS = 257
+# yarn parameters that divide the temperature between cos/sin and the softmax scale (DeepSeek)
+TEMPERATURE_SPLIT = ("mscale", "mscale_all_dim")
 
 
 @dataclass
@@ -333,9 +335,25 @@ class LlamaFamily(FamilyAdapter):
         return record, not saved
 
     def shipped_params(self, site: RotarySite, record: dict, method: Method, given: dict) -> dict:
-        if (record.get("starts_from") or {}).get("scaling") is not None:
-            return {}
         rope = site.rope_entry(record["rope_parameters"])
+        if (scaling := (record.get("starts_from") or {}).get("scaling")) is not None:
+            # DeepSeek's split of the temperature: mscale_all_dim also sets the softmax scale (transformers'
+            # deepseek_v3 reads it at construction), which an extension keeps as shipped; a split given for
+            # the extension would put the ratio on cos/sin with no softmax to match it. Only where the shipped
+            # scaling moves the softmax scale: ministral3 states a split its attention does not read
+            fixed = [key for key in TEMPERATURE_SPLIT if rope.get(key) is not None and given.get(key) is not None]
+            unscaled = rope_parameters(record["rope_parameters"], {"rope_type": "default"}, site.layer_type)
+            if fixed and softmax_scales(site, record["rope_parameters"]) != softmax_scales(site, unscaled):
+                passed = ", ".join(f"{key}={given[key]!r}" for key in fixed)
+                stated = ", ".join(f"{key} {rope[key]!r}" for key in TEMPERATURE_SPLIT if rope.get(key) is not None)
+                raise ValueError(
+                    f"{method.name}: {passed} contradicts this checkpoint's shipped {scaling} scaling, which fixes how "
+                    f"the temperature divides between cos/sin and the softmax ({stated} at factor {rope.get('factor')!r}); "
+                    "a patch that extends the shipped model keeps that division and puts its own temperature on cos/sin "
+                    "(attention_factor=). To choose the division, replace the shipped scaling: "
+                    f"original_window={rope.get('original_max_position_embeddings')}"
+                )
+            return {}
         if rope.get("rope_type") != method.name:
             return {}
         return {k: rope[k] for k in method.all_params if rope.get(k) is not None and k not in given}

@@ -99,8 +99,9 @@ def patch(
     truncate or DeepSeek's mscale, are the defaults of a method of the same type).
 
     Raises ValueError, leaving the model untouched, on an unknown method or parameter, a factor
-    that is not a finite number > 1, a model rope-ext does not support, or a patch meant for fewer
-    tokens than the checkpoint serves without `allow_shrink=True`.
+    that is not a finite number > 1, a model rope-ext does not support, a patch meant for fewer
+    tokens than the checkpoint serves without `allow_shrink=True`, or a parameter the shipped
+    scaling fixes given to a patch that extends it (DeepSeek's mscale and mscale_all_dim).
 
     `_saved` is reapply's: the patch the model's config records, which it has read already. (A
     parameter rather than an inner function, so that a method's warning from `resolve` points at
@@ -147,7 +148,8 @@ def patch(
     }
     if shipped := shipped_of(rotary.method):
         starts_from["attention_factor"] = shipped.attention_factor
-    native = adapter.install(site, rotary, transforms, applied.max_length)
+    with record.unlisted_keys_quiet():  # install builds the written config back to check it
+        native = adapter.install(site, rotary, transforms, applied.max_length)
     if _saved is None and starts_from["source"] == "max_position_embeddings":
         warnings.warn(
             f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "

@@ -24,9 +24,13 @@ unknown method or another version is refused with one ValueError that names the 
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import logging
 import math
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,11 +181,40 @@ def rope_parameters(original: dict, native: dict, layer_type: str | None = None)
     return rope
 
 
+# Keys a written rope type needs that transformers' validation of that type (5.25,
+# modeling_rope_utils `_validate_*_rope_parameters`) does not list, so that it logs "Unrecognized
+# keys" at every load of the config: the engines' temperature for longrope (vLLM and SGLang read
+# short_mscale/long_mscale, not attention_factor) and for yarn (SGLang and vLLM <= 0.29 read
+# attn_factor), and proportional's factor, which transformers' own `_compute_proportional_parameters`
+# reads. No key of either reader expresses the same value, so they stay (docs/serving.md).
+UNLISTED_KEYS = {"longrope": {"short_mscale", "long_mscale"}, "yarn": {"attn_factor"}, "proportional": {"factor"}}
+_UNRECOGNIZED = re.compile(r"Unrecognized keys in `rope_parameters` for 'rope_type'='(\w+)': (\{.*\})$")
+
+
+class _UnlistedKeys(logging.Filter):
+    """Drops transformers' "Unrecognized keys" record where every key it names is one of UNLISTED_KEYS."""
+
+    def filter(self, entry: logging.LogRecord) -> bool:
+        found = _UNRECOGNIZED.match(entry.getMessage())
+        return found is None or not ast.literal_eval(found[2]) <= UNLISTED_KEYS.get(found[1], set())
+
+
+@contextmanager
+def unlisted_keys_quiet():
+    """Within it, transformers does not log the UNLISTED_KEYS of a config rope-ext wrote, which it
+    reads as written (every other warning it logs stays)."""
+    logger, quiet = logging.getLogger("transformers.modeling_rope_utils"), _UnlistedKeys()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def served_parameters(native: dict) -> dict:
     """`native` with the names the serving engines read where transformers' differ: for a yarn
     temperature, transformers and vLLM >= 0.30 read `attention_factor`, SGLang and vLLM <= 0.29
-    multiply 0.1 ln(s) + 1 by `attn_factor` (transformers logs that key as unrecognized and
-    ignores it)."""
+    multiply 0.1 ln(s) + 1 by `attn_factor` (transformers ignores that key: UNLISTED_KEYS)."""
     if native.get("rope_type") != "yarn" or native.get("attention_factor") is None:
         return dict(native)
     return {**native, "attn_factor": native["attention_factor"] / yarn_mscale(native["factor"])}

@@ -53,8 +53,9 @@ def from_pretrained(path, **kwargs) -> nn.Module:
             "attaches it to the unpatched base. Write the patch beside it with rope_ext.save_record(folder, base, "
             "model) after training (docs/finetune.md), then rope_ext.from_pretrained(folder) rebuilds base -> patch -> adapter"
         )
-    model = causal_lm_class(path, kwargs).from_pretrained(path, **kwargs)
-    reapply(model, path)
+    with record.unlisted_keys_quiet():
+        model = causal_lm_class(path, kwargs).from_pretrained(path, **kwargs)
+        reapply(model, path)
     return model
 
 

@@ -118,7 +118,7 @@ def native_longrope(geom: RotaryGeometry, inv_freq: torch.Tensor, attention_fact
     (equal short and long lists) with `attention_factor` on cos/sin, or None. vLLM and SGLang read
     no `attention_factor` for longrope: their factor on cos/sin is `short_mscale` / `long_mscale`
     where given (rope_ext.serving.longrope_mscales), so a temperature other than 1 is written there
-    too (transformers then logs the two keys as unrecognized, and ignores them)."""
+    too (transformers ignores the two keys: rope_ext.record.UNLISTED_KEYS)."""
     factors = longrope_factors(geom, inv_freq.cpu())
     if factors is None:
         return None

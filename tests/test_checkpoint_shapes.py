@@ -11,16 +11,24 @@ without being asked, and re-applying its own scaling with original_window= gives
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import logging
+import re
 import warnings
 
 import pytest
 import torch
+from helpers import required_params
 from test_census import WINDOW, check, ids, logits, tiny
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 import rope_ext
+from rope_ext.method import REGISTRY
 from rope_ext.patching import engine_verdicts
+from rope_ext.record import UNLISTED_KEYS
 
 SHAPES = {
     # meta-llama/Llama-3.1-8B config.json: max_position_embeddings 131072, rope_theta 500000, llama3
@@ -307,6 +315,34 @@ def test_a_patch_that_reads_less_than_the_checkpoint_is_refused_unless_asked(sha
     assert info.max_length == 2 * WINDOW and info.starts_from == {"scaling": None, "window": WINDOW, "source": "original_window="}
 
 
+@pytest.mark.parametrize("given", [{"mscale_all_dim": 0.5}, {"mscale": 1.0, "mscale_all_dim": 1.0}])
+def test_a_temperature_split_the_shipped_scaling_fixes_is_refused_before_the_model_changes(given):
+    """DeepSeek's mscale_all_dim sets the softmax scale too, which an extension keeps as shipped:
+    a split given to it would leave cos/sin and the softmax unmatched (even with the shipped values,
+    which give the extension no temperature at all). Refused, naming the remedy; with it, accepted."""
+    model = model_of("deepseek-v3")
+    x = ids(2 * WINDOW, seed=5)
+    config, shipped = copy.deepcopy(model.config.to_dict()), logits(model, x)
+    modules = [(name, type(module)) for name, module in model.named_modules()]
+    named = re.escape(f"mscale_all_dim={given['mscale_all_dim']!r} contradicts")
+    with pytest.raises(ValueError, match=rf"{named} .* \(mscale 1\.0, mscale_all_dim 1\.0 .*original_window={WINDOW}$"):
+        rope_ext.patch(model, "yarn", factor=2, **given)
+    assert model.config.to_dict() == config and rope_ext.describe(model) is None
+    assert [(name, type(module)) for name, module in model.named_modules()] == modules
+    assert torch.equal(logits(model, x), shipped)
+    info = rope_ext.patch(model, "yarn", factor=80, original_window=WINDOW, **given)
+    assert info.params["mscale_all_dim"] == given["mscale_all_dim"]
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-yarn", "ministral3"])
+def test_a_temperature_split_is_the_extension_s_own_where_no_softmax_takes_the_shipped_one(model):
+    """Qwen2.5's yarn states no split; ministral3's states mscale and mscale_all_dim 1.0, which its
+    attention does not read: the split given to the extension is its own ratio on cos/sin."""
+    model = tiny("ministral3") if model == "ministral3" else model_of(model)
+    info = rope_ext.patch(model, "yarn", factor=2, mscale=1.0, mscale_all_dim=0.5)
+    assert info.starts_from["scaling"] == "yarn" and info.params["mscale_all_dim"] == 0.5
+
+
 def test_a_window_that_contradicts_the_shipped_scaling_is_refused():
     model = model_of("llama-3.1")
     with pytest.raises(ValueError, match="contradicts the checkpoint's llama3 scaling"):
@@ -425,3 +461,58 @@ def test_ministral3_keeps_the_window_its_query_scale_reads():
     written = model.config.rope_parameters
     assert written["original_max_position_embeddings"] == shipped["original_max_position_embeddings"]
     assert written["llama_4_scaling_beta"] == shipped["llama_4_scaling_beta"]
+
+
+class Logged(logging.Handler):
+    """The messages transformers logs at WARNING or above while it is attached."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, entry: logging.LogRecord) -> None:
+        self.messages.append(entry.getMessage())
+
+    def __enter__(self):
+        hf_logging.get_logger().addHandler(self)
+        return self.messages
+
+    def __exit__(self, *exc):
+        hf_logging.get_logger().removeHandler(self)
+
+
+def unlisted(message: str) -> bool:
+    """Whether `message` is transformers' "Unrecognized keys" naming only UNLISTED_KEYS of its type."""
+    found = re.match(r"Unrecognized keys in `rope_parameters` for 'rope_type'='(\w+)': (\{.*\})$", message)
+    return found is not None and ast.literal_eval(found[2]) <= UNLISTED_KEYS.get(found[1], set())
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_a_written_checkpoint_loads_without_a_transformers_warning(shape, tmp_path):
+    """Every method on every published shape: patch() and rope_ext.from_pretrained of the saved
+    checkpoint log nothing the shipped checkpoint's own load does not (Llama-4-Scout's config logs its
+    equal llama3 frequency factors); a plain transformers load adds only "Unrecognized keys" naming
+    UNLISTED_KEYS, the engines' keys and proportional's factor, which transformers does not list."""
+    base = model_of(shape)
+    base.save_pretrained(tmp_path / "shipped")
+    with Logged() as own:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "shipped")
+    patched = set()
+    for method in REGISTRY:
+        model = copy.deepcopy(base)
+        with Logged() as at_patch:
+            try:  # the census's head of 16 rotates 8 pairs in every shape
+                rope_ext.patch(model, method, factor=4, **GIVEN.get(shape, {}), **required_params(method, 8))
+            except ValueError:  # refused before any change, as test_published_shapes_are_patched_exactly lists
+                continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # save_pretrained's own warnings about engines are rope-ext's, not these
+            model.save_pretrained(tmp_path / method)
+        with Logged() as reloaded:
+            rope_ext.from_pretrained(tmp_path / method)
+        with Logged() as plain:
+            AutoConfig.from_pretrained(tmp_path / method)
+        assert set(at_patch) <= set(own) and set(reloaded) <= set(own), (method, at_patch, reloaded)
+        assert all(unlisted(message) for message in set(plain) - set(own)), (method, plain)
+        patched.add(method)
+    assert {"linear", "yarn", "llama3"} <= patched  # every shape takes these (MLA refuses proportional)
