@@ -48,7 +48,6 @@ Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
 "dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
 trained window from original_max_position_embeddings (docs/dca.md); `stated_sizes` checks each.
-A save writes the patch's settings there, as vLLM and SGLang read them (`served_config`).
 """
 
 from __future__ import annotations
