@@ -40,17 +40,28 @@ METHOD_NAMES = (
     "rerope",
     "string",
     "dca",
-    "yarn_dca",
     "sink_window",
 )
 
 
+# Methods rope-ext no longer has, with what to use instead (records and command lines that name them)
+RETIRED = {
+    "yarn_dca": (
+        "yarn_dca (DCA over YaRN's frequencies) was removed: no released checkpoint or engine runs DCA over YaRN's "
+        "frequencies (Qwen2.5-1M states rope_scaling null; vLLM's and SGLang's DCA keep the trained frequencies and "
+        "add a length temperature), and dca now computes that temperature: use dca (docs/dca.md)"
+    )
+}
+
+
 def unknown_method(names: list) -> str | None:
     """The error for the first of `names` that is neither plain nor a registered method, with the
-    registered names closest to it; None when every one is known."""
+    registered names closest to it (or why it was removed); None when every one is known."""
     for name in names:
         if name == PLAIN or name in METHOD_NAMES:
             continue
+        if name in RETIRED:
+            return RETIRED[name]
         close = difflib.get_close_matches(str(name), METHOD_NAMES, n=2)
         hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
         return f"unknown method {name!r}{hint}; valid methods: {', '.join(METHOD_NAMES)}"

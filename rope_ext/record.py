@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .arguments import RETIRED
 from .geometry import RotaryGeometry
 from .method import REGISTRY
 from .method.rope import yarn_mscale
@@ -301,6 +302,8 @@ def read(config, source: str | None = None) -> Patch | None:
     if version != CONFIG_VERSION:
         raise ValueError(f"{source}: rope_ext config format {version!r} is not supported (expected {CONFIG_VERSION})")
     method = _field(saved, "method", str, source)
+    if method in RETIRED:
+        raise ValueError(f"{source}: key {CONFIG_KEY}.method: {RETIRED[method]}")
     if method not in REGISTRY:
         raise ValueError(
             f"{source}: key {CONFIG_KEY}.method names unknown method {method!r}; valid methods: {', '.join(REGISTRY)}"
@@ -311,7 +314,10 @@ def read(config, source: str | None = None) -> Patch | None:
     except ValueError:
         raise ValueError(f"{source}: key {CONFIG_KEY}.factor must be a finite number > 1, got {factor!r}") from None
     original = _field(saved, "original", dict, source)
-    patch = Patch(method, float(factor), dict(_field(saved, "params", dict, source)), original, source=source)
+    params = dict(_field(saved, "params", dict, source))
+    if (stale := REGISTRY[method].stale_record(params)) is not None:
+        raise ValueError(f"{source}: key {CONFIG_KEY}.params: {stale}")
+    patch = Patch(method, float(factor), params, original, source=source)
     window = patch.original_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{source}: key {CONFIG_KEY}.original.original_window must be a positive int, got {window!r}")

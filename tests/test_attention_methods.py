@@ -77,22 +77,12 @@ METHODS = [
     Row(
         "dca",
         inside=[{"factor": 4}],
-        cached=[{"factor": 4}, {"factor": 4, "logn": True}],
-        decoded=[{"factor": 4}, {"factor": 4, "logn": True}],
+        cached=[{"factor": 4}, {"factor": 4, "logn": True}, {"factor": 4, "temperature": True, "attn_scale": 0.1}],
+        decoded=[{"factor": 4}, {"factor": 4, "logn": True}, {"factor": 4, "temperature": True}],
         decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],  # s = 80: steps in chunk 4, keys in 0 .. 4
         saved=[{"factor": 4, "local_size": 8}, {"factor": 4, "logn": True}],
         unpadded=True,
         decode_parts=3,  # its chunk, the chunk before, the earlier chunks
-    ),
-    Row(
-        "yarn_dca",
-        inside=[],  # inside the window it is the yarn patch, not the unpatched model: bit for bit (test_dca.py)
-        cached=[{"factor": 4}, {"factor": 4, "chunk_size": 96, "local_size": 16, "logn": True}],
-        decoded=[{"factor": 4}],
-        decode_step=[{"factor": 4, "chunk_size": 96, "local_size": 16}],
-        saved=[{"factor": 4, "local_size": 8, "beta_fast": 16.0}, {"factor": 2.5, "logn": True}],
-        unpadded=True,
-        decode_parts=3,
     ),
     Row(
         "rerope",
@@ -257,7 +247,6 @@ KEPT = [
     ("rerope", {"factor": 4, "leak": "auto"}),
     ("string", {"factor": 4, "local": 16}),
     ("dca", {"factor": 4}),
-    ("yarn_dca", {"factor": 4}),
     ("sink_window", {"factor": 4, "sinks": 2, "window": 50}),
 ]
 
@@ -269,7 +258,7 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
     assert_kept_keys_follow_the_cache(tiny_model, torch.stack((heldout_ids[:400], heldout_ids[500:900])), end)
 
 
-@pytest.mark.parametrize("method, params", [KEPT[0], KEPT[4], KEPT[6]])
+@pytest.mark.parametrize("method, params", [KEPT[0], KEPT[4], KEPT[5]])
 def test_a_store_that_does_not_follow_the_cache_is_caught(tiny_model, heldout_ids, monkeypatch, method, params):
     """The test above fails on a store that keeps its rotated keys through a change of the cache."""
     rope_ext.patch(tiny_model, method, **params)
@@ -365,7 +354,7 @@ def test_a_missing_factor_changes_nothing(method):
 
 @pytest.mark.parametrize("method", rows())
 def test_an_unknown_parameter_changes_nothing(method):
-    # alibi_hybrid's, a parameter no attention-side method has (yarn_dca has yarn's beta_fast)
+    # alibi_hybrid's, a parameter no attention-side method has
     assert_refused_unchanged(method, {"factor": 4, "slope_scale": 4}, r"unknown parameter\(s\) \['slope_scale'\]")
 
 

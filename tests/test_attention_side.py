@@ -20,7 +20,7 @@ OLD_SCHEDULE = {"causal": True, "granularity": 1}
 
 
 def test_every_attention_side_method_is_registered_through_the_base():
-    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window", "string", "yarn_dca"]
+    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window", "string"]
     assert {name for name in ATTENTION_SIDE if isinstance(REGISTRY[name], TwoPartMethod)} == {"rerope", "self_extend", "string"}
     for name in ATTENTION_SIDE:
         method = REGISTRY[name]
@@ -28,7 +28,7 @@ def test_every_attention_side_method_is_registered_through_the_base():
 
 
 @pytest.mark.parametrize(
-    "name, causal", [("self_extend", True), ("rerope", True), ("dca", False), ("sink_window", False), ("string", False)]
+    "name, causal", [("self_extend", True), ("rerope", True), ("dca", True), ("sink_window", False), ("string", False)]
 )
 def test_listed_parameters_are_the_ones_a_method_takes(name, causal):
     listed = rope_ext.methods()[name]["params"]
@@ -65,7 +65,7 @@ def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path,
 @pytest.mark.parametrize(
     "name, params, message",
     [
-        ("dca", {"causal": False}, "causal and granularity do not apply"),
+        ("dca", {"granularity": 4}, "granularity does not apply"),
         ("sink_window", {"granularity": 4}, "causal and granularity do not apply"),
         ("self_extend", {"group": 3, "granularity": 2}, "granularity does not apply"),
     ],

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
-from rope_ext import cli
 from rope_ext.attention import AttentionTransform
 from rope_ext.method import dca
-from rope_ext.method.rope import yarn
 
+from census_configs import norms_moved
 from helpers import (
     WINDOW,
     assert_refused_unchanged,
@@ -30,65 +29,70 @@ from helpers import (
 )
 
 
-class PaperDualChunk(AttentionTransform):
-    """Dual Chunk Attention as An et al. 2024 define it (section 3, Fig. 2), in fp64, for one
-    unpadded sequence at positions start, start + 1, ... with no cache; written from the paper, not
-    from rope_ext (docs/dca.md says where HKUNLP/ChunkLlama's code differs). With c = chunk_size, w = local_size and s = c - w, the
-    chunk of position p is floor(p / s) and every key sits at P_k = p mod s; a query meets a key
-    of its own chunk at P_q^intra = its position mod s, a key of the chunk before at P_q^succ (the
-    first w positions of a chunk at s, s + 1, ..., s + w - 1, the others at c - 1) and a key of
-    any earlier chunk at P_q^inter = c - 1; one softmax over all. No query is exempt."""
+class EngineDualChunk(AttentionTransform):
+    """Dual Chunk Attention as the engines that serve Qwen2.5-1M compute a prefill, in fp64, for one
+    unpadded sequence at positions start, start + 1, ... with no cache; written from their source,
+    not from rope_ext: vLLM 0.10.2, vllm/attention/backends/dual_chunk_flash_attn.py
+    (DualChunkFlashAttentionImpl._dual_chunk_flash_attn_prefill_func) and
+    vllm/model_executor/layers/rotary_embedding/dual_chunk_rope.py (DualChunkRotaryEmbedding); SGLang
+    0.5.2, sglang/srt/layers/attention/dual_chunk_flashattention_backend.py, the same code. Sparse
+    attention is off (it needs a sparse_attention_config, which these configs do not state).
 
-    def __init__(self, chunk: int, local: int, base: float, dim: int, start: int = 0, inv_freq=None, temperature: float = 1.0):
-        """`inv_freq` (default: base^(-2i/dim)) and `temperature` (YaRN's factor on cos and sin)
-        are the frequencies the chunks rotate with."""
+    chunk_len = chunk_size - local_size; keys at j % chunk_len (cos_sin_k_cache); a query attends
+    the keys of its chunk [i // chunk_len * chunk_len, i] at i % chunk_len (cos_sin_q_cache), the
+    chunk before at min(i % chunk_len + chunk_len, chunk_size) (cos_sin_qc_cache, clamped at
+    chunk_size), every earlier key at cos_sin_qc_cache[chunk_len - 1] = min(2 chunk_len - 1,
+    chunk_size); the three flash-attention outputs merged by their log-sum-exp (one softmax). With
+    original_max_position_embeddings L > 0 (`window`), the metadata's scaling_factor
+    (0.1 * log(n / L) + 1).clip(min=1), n the sequence's orig_seq_len (the prompt's length), multiplies
+    the keys before they are cached (key.mul_) and the softmax scale (softmax_scale *
+    scaling_factor): logits times its square. `causal` takes n per row as the length the row has
+    seen, rope-ext's schedule that decoding reproduces; False is the engines' prefill."""
+
+    def __init__(self, chunk: int, local: int, base: float, dim: int, start: int = 0, window: int = 0, causal: bool = True):
         self.chunk, self.local, self.base, self.dim, self.start = chunk, local, base, dim, start
-        half = dim // 2
-        default = base ** (-torch.arange(half, dtype=torch.float64) * 2 / dim)
-        self.inv_freq = default if inv_freq is None else inv_freq.double()
-        self.temperature = temperature
+        self.window, self.causal = window, causal
+        self.inv_freq = base ** (-torch.arange(dim // 2, dtype=torch.float64) * 2 / dim)
 
     def rotate(self, x, positions):
         half = self.dim // 2
         angles = positions[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos() * self.temperature, angles.sin() * self.temperature
+        cos, sin = angles.cos(), angles.sin()
         a, b = x[..., :half], x[..., half : self.dim]
         return torch.cat((a * cos - b * sin, b * cos + a * sin, x[..., self.dim :]), dim=-1)
 
     def __call__(self, module, query, key, value, attention_mask, attend, scaling=None, **kwargs):
-        c, w = self.chunk, self.local
-        s = c - w
+        chunk_len = self.chunk - self.local
         positions = torch.arange(self.start, self.start + query.shape[-2], dtype=torch.float64)
-        in_chunk = positions - s * torch.floor(positions / s)
-        chunk_of = torch.floor(positions / s)
-        p_intra = in_chunk
-        p_succ = torch.where(in_chunk < w, s + in_chunk, torch.full_like(in_chunk, c - 1))
-        p_inter = torch.full_like(in_chunk, c - 1)
+        in_chunk = torch.remainder(positions, chunk_len)
+        chunk_of = torch.div(positions, chunk_len, rounding_mode="floor")
+        p_succ = torch.clamp(in_chunk + chunk_len, max=self.chunk)
+        p_inter = torch.full_like(in_chunk, min(2 * chunk_len - 1, self.chunk))
         rep = query.shape[1] // key.shape[1]
         q, k, v = query.double(), key.double().repeat_interleave(rep, dim=1), value.double().repeat_interleave(rep, dim=1)
         k_rot = self.rotate(k, in_chunk).transpose(-1, -2)
         back = chunk_of[:, None] - chunk_of[None, :]  # how many chunks the key lies before the query
         scores = torch.where(
             back == 0,
-            self.rotate(q, p_intra) @ k_rot,
+            self.rotate(q, in_chunk) @ k_rot,
             torch.where(back == 1, self.rotate(q, p_succ) @ k_rot, self.rotate(q, p_inter) @ k_rot),
         )
+        if self.window > 0:
+            n = positions + 1 if self.causal else torch.full_like(positions, positions[-1] + 1)
+            factor = (0.1 * torch.log(n / self.window) + 1.0).clip(min=1)
+            scores = scores * (factor * factor)[:, None]
         scores = (scores * scaling).masked_fill(positions[:, None] < positions[None, :], float("-inf"))
         return (scores.softmax(-1) @ v).to(query.dtype).transpose(1, 2), None
 
 
 @torch.no_grad()
-def paper_logits(model, ids, chunk: int, local: int, start: int = 0, yarn_factor: float | None = None) -> torch.Tensor:
-    """fp64 logits of `model` with every layer's attention PaperDualChunk at positions start, ...;
-    over YaRN's frequencies and temperature at `yarn_factor` where one is given."""
+def engine_logits(model, ids, chunk: int, local: int, start: int = 0, window: int = 0, causal: bool = True) -> torch.Tensor:
+    """fp64 logits of `model` with every layer's attention EngineDualChunk at positions start, ...;
+    with the temperature over the trained window `window` where it is > 0."""
     exact = copy.deepcopy(model).double()
     rope_ext.patch(exact, "dca", factor=4, chunk_size=chunk, local_size=local)  # the hook, queries and keys unrotated
     geometry = exact.model.rotary_emb.geometry
-    frequencies = {}
-    if yarn_factor is not None:
-        inv_freq, temperature = yarn(geometry, factor=yarn_factor)
-        frequencies = {"inv_freq": inv_freq, "temperature": temperature}
-    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, start, **frequencies)])
+    set_chain(exact, [EngineDualChunk(chunk, local, geometry.base, geometry.rotary_dim, start, window, causal)])
     positions = torch.arange(start, start + ids.shape[-1])[None]
     return exact(ids, position_ids=positions).logits
 
@@ -109,7 +113,7 @@ def test_matches_the_definition(monkeypatch, params):
     with torch.no_grad():
         ours = model(x).logits.double()
     params = model.model.rotary_emb.params
-    naive = paper_logits(model, x, params["chunk_size"], params["local_size"])
+    naive = engine_logits(model, x, params["chunk_size"], params["local_size"])
     assert (ours - naive).abs().max() < 1e-5
     # the rows past chunk_size (the first of them mid-chunk) attend without a mask
     assert masks and all(mask is None for mask in masks)
@@ -118,18 +122,18 @@ def test_matches_the_definition(monkeypatch, params):
 # (chunk_size, local_size) on the tiny model (window 128): ChunkLlama's 3/4 of the window, the
 # default, and local_size above chunk_size / 2, where queries below chunk_size see keys two
 # chunks back
-PAPER_SETTINGS = [(96, 24), (128, 8), (128, 80), (64, 48)]
+SETTINGS = [(96, 24), (128, 8), (128, 80), (64, 48)]
 
 
-@pytest.mark.parametrize("chunk, local", PAPER_SETTINGS)
-def test_matches_the_paper_on_the_tiny_model(tiny_model, heldout_ids, chunk, local):
-    """The patched fp32 logits against PaperDualChunk in fp64 are as close as plain attention's
+@pytest.mark.parametrize("chunk, local", SETTINGS)
+def test_matches_the_engines_on_the_tiny_model(tiny_model, heldout_ids, chunk, local):
+    """The patched fp32 logits against EngineDualChunk in fp64 are as close as plain attention's
     fp32 logits to fp64 (with local_size > chunk_size / 2 rows 2s .. c - 1 were 0.88 off)."""
     ids = heldout_ids[None, :512]
     with torch.no_grad():
         plain_error = (tiny_model(ids).logits.double() - copy.deepcopy(tiny_model).double()(ids).logits).abs().max()
         rope_ext.patch(tiny_model, "dca", factor=4, chunk_size=chunk, local_size=local)
-        error = (tiny_model(ids).logits.double() - paper_logits(tiny_model, ids, chunk, local)).abs().max()
+        error = (tiny_model(ids).logits.double() - engine_logits(tiny_model, ids, chunk, local)).abs().max()
     assert error <= 4 * plain_error, (error, plain_error)
 
 
@@ -142,7 +146,7 @@ import rope_ext
 from helpers import load_llama
 from rope_ext.training import tiny
 from transformers import AutoTokenizer
-from test_dca import paper_logits
+from test_dca import engine_logits
 
 path, chunk, local, start = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 model = load_llama(path)
@@ -150,12 +154,12 @@ ids = tiny.heldout_ids(AutoTokenizer.from_pretrained(path))[None, :200]
 rope_ext.patch(model, "dca", factor=4, chunk_size=chunk, local_size=local)
 with torch.no_grad():
     ours = model(ids, position_ids=torch.arange(start, start + 200)[None]).logits.double()
-print((ours - paper_logits(model, ids, chunk, local, start)).abs().max().item())
+print((ours - engine_logits(model, ids, chunk, local, start)).abs().max().item())
 """
 
 
 @pytest.mark.parametrize("chunk, local, start", [(128, 8, 37), (128, 8, 300), (64, 48, 100)])
-def test_positions_that_do_not_start_at_0_follow_the_paper(tiny_path, chunk, local, start):
+def test_positions_that_do_not_start_at_0_follow_the_engines(tiny_path, chunk, local, start):
     tests = Path(__file__).parent
     child = subprocess.run(
         [sys.executable, "-c", OFFSET_CHILD, str(tests), str(tiny_path), str(chunk), str(local), str(start)],
@@ -203,7 +207,8 @@ def test_qwen_dual_chunk_attention_config_sets_chunk_local_and_window():
         ({"local_size": WINDOW}, "local_size must be between"),
         ({"chunk_size": 1.5}, "must be an int"),
         ({"chunk_size": 1}, re.escape("dca: chunk_size (or None for the default) must be an int in [2,")),
-        ({"causal": False}, "do not apply"),
+        ({"granularity": 4}, "granularity does not apply"),
+        ({"temperature": 1}, "temperature must be True, False or None"),
     ],
 )
 def test_bad_parameters_change_nothing(kwargs, message):
@@ -259,149 +264,82 @@ def test_an_accepted_dual_chunk_attention_config_saves_and_reloads(tmp_path, sta
     assert_saves_reloads_and_unpatches(model, "dca", {"factor": 4}, random_ids(3 * WINDOW), tmp_path / "patched")
 
 
-# yarn_dca: Dual Chunk Attention over YaRN's frequencies and temperature (Qwen2.5-1M's setup).
+# Qwen/Qwen2.5-7B-Instruct-1M's config.json: rope_scaling null, rope_theta 1e7,
+# max_position_embeddings 1010000, dual_chunk_attention_config {chunk_size 262144, local_size 8192,
+# original_max_position_embeddings 262144}; every length divided by 2048.
+QWEN_1M = {"chunk_size": 128, "local_size": 4, "original_max_position_embeddings": 128}
+QWEN_1M_LENGTH = 1010000 // 2048
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("factor", [4, 2.5])
-def test_yarn_dca_inside_the_window_is_the_yarn_patch_bit_for_bit(tiny_model, heldout_ids, attn, factor):
-    """With chunk_size = L every query inside the window meets every key at its true distance: the
-    patch is rope-ext's yarn at the same factor (frequencies and temperature), bit for bit."""
-    tiny_model.set_attn_implementation(attn)
-    window = tiny_model.config.max_position_embeddings
-    ids = heldout_ids[None, : 3 * window]
-    lengths = (window, window - 37, 1)
+def qwen_1m():
+    model = random_model(
+        "qwen2", max_position_embeddings=QWEN_1M_LENGTH, rope_parameters={"rope_type": "default", "rope_theta": 1e7}
+    )
+    model.config.dual_chunk_attention_config = dict(QWEN_1M)
+    return norms_moved(model)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_computes_the_engines_dca_with_their_temperature_on_a_qwen_1m_shaped_config(causal):
+    """480 tokens, 3.9 chunks of 124: the local size and the temperature come from the config, and
+    the fp32 logits are as close to EngineDualChunk in fp64 as plain attention's fp32 logits to
+    fp64; the same reference without the temperature is far from them."""
+    model, ids = qwen_1m(), random_ids(480)
     with torch.no_grad():
-        rope_ext.patch(tiny_model, "yarn", factor=factor)
-        expected = [tiny_model(ids[:, :n]).logits for n in lengths]
-        expected_long = tiny_model(ids).logits
-        info = rope_ext.patch(tiny_model, "yarn_dca", factor=factor, chunk_size=window)
-        patched = [tiny_model(ids[:, :n]).logits for n in lengths]
-        patched_long = tiny_model(ids).logits
-    assert info.params["chunk_size"] == window
-    for before, after in zip(expected, patched):
-        assert torch.equal(before, after)
-    assert torch.equal(expected_long[:, :window], patched_long[:, :window])
-    assert (expected_long[:, window:] - patched_long[:, window:]).abs().max() > 1.0  # past the window DCA acts
-
-
-@pytest.mark.parametrize("chunk, local", [(128, 8), (96, 24)])
-def test_yarn_dca_matches_the_paper_over_yarn_frequencies_on_the_tiny_model(tiny_model, heldout_ids, chunk, local):
-    """Past the window, the fp32 logits against PaperDualChunk in fp64 with YaRN's frequencies and
-    temperature are as close as plain attention's fp32 logits to fp64."""
-    ids = heldout_ids[None, :512]
-    with torch.no_grad():
-        plain_error = (tiny_model(ids).logits.double() - copy.deepcopy(tiny_model).double()(ids).logits).abs().max()
-        rope_ext.patch(tiny_model, "yarn_dca", factor=4, chunk_size=chunk, local_size=local)
-        ours = tiny_model(ids).logits.double()
-    error = (ours - paper_logits(tiny_model, ids, chunk, local, yarn_factor=4)).abs().max()
-    assert error <= 4 * plain_error, (error, plain_error)
-    # the reference tells the frequencies apart: over the trained ones it is far off
-    assert (ours - paper_logits(tiny_model, ids, chunk, local)).abs().max() > 100 * plain_error
-
-
-def test_yarn_dca_takes_yarn_parameters(tiny_model, heldout_ids):
-    ids = heldout_ids[None, :300]
-    with torch.no_grad():
-        rope_ext.patch(tiny_model, "yarn", factor=4, beta_fast=16, beta_slow=2, attention_factor=1.0)
-        expected = tiny_model(ids[:, :128]).logits
-        rope_ext.patch(tiny_model, "yarn_dca", factor=4, beta_fast=16, beta_slow=2, attention_factor=1.0)
-        assert torch.equal(tiny_model(ids[:, :128]).logits, expected)
-        ours = tiny_model(ids).logits.double()
-    chunk, local = tiny_model.model.rotary_emb.params["chunk_size"], tiny_model.model.rotary_emb.params["local_size"]
-    exact = copy.deepcopy(tiny_model).double()
-    rope_ext.patch(exact, "dca", factor=4, chunk_size=chunk, local_size=local)
-    geometry = exact.model.rotary_emb.geometry
-    inv_freq, _ = yarn(geometry, factor=4, beta_fast=16, beta_slow=2)
-    set_chain(exact, [PaperDualChunk(chunk, local, geometry.base, geometry.rotary_dim, inv_freq=inv_freq)])
-    with torch.no_grad():
-        assert (ours - exact(ids).logits).abs().max() < 1e-3
-
-
-def yarn_dca_checkpoint(tiny_path, path, stated: dict | None = None) -> Path:
-    """The tiny trained model saved with a Qwen2.5-1M-style config.json, shrunk to its sizes: yarn
-    rope_parameters (factor 4 over its 128-token window) and a dual_chunk_attention_config."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
-    window = model.config.max_position_embeddings
-    rope = model.config.rope_parameters
-    model.config.rope_parameters = {
-        "rope_type": "yarn",
-        "rope_theta": rope["rope_theta"],
-        "factor": 4.0,
-        "original_max_position_embeddings": window,
-    }
-    model.config.max_position_embeddings = 4 * window
-    model.config.dual_chunk_attention_config = stated or {
-        "chunk_size": window,
-        "local_size": 8,
-        "original_max_position_embeddings": window,
-    }
-    model.save_pretrained(path)
-    return path
-
-
-def test_a_qwen_1m_style_config_is_patched_with_its_factor_and_sizes(tiny_path, heldout_ids, tmp_path):
-    """yarn_dca on a checkpoint whose config.json states yarn (factor 4) and dual chunk attention:
-    the factor, chunk_size, local_size and window come from the config; inside the window it is
-    the checkpoint's own YaRN (transformers') bit for bit; it saves, reloads and unpatches exactly."""
-    path = yarn_dca_checkpoint(tiny_path, tmp_path / "qwen-1m-style")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = heldout_ids[None, :384]
-    with torch.no_grad():
-        native = model(ids[:, :128]).logits
-        info = rope_ext.patch(model, "yarn_dca")
-        assert (info.factor, info.params["chunk_size"], info.params["local_size"], info.original_window) == (4.0, 128, 8, 128)
-        assert info.max_length == 512
-        inside = model(ids[:, :128]).logits
+        plain_error = (model(ids).logits.double() - copy.deepcopy(model).double()(ids).logits).abs().max()
+        info = rope_ext.patch(model, "dca", factor=4, causal=causal)
         ours = model(ids).logits.double()
-    assert torch.equal(inside, native)
-    assert (ours - paper_logits(model, ids, 128, 8, yarn_factor=4)).abs().max() < 1e-3
-    rope_ext.unpatch(model)
-    assert_saves_reloads_and_unpatches(model, "yarn_dca", {}, ids, tmp_path / "patched")
+    assert (info.params["chunk_size"], info.params["local_size"], info.params["temperature"]) == (128, 4, True)
+    reference = engine_logits(model, ids, 128, 4, window=128, causal=causal)
+    error = (ours - reference).abs().max()
+    assert error <= 4 * plain_error, (error, plain_error)
+    without = (ours - engine_logits(model, ids, 128, 4)).abs().max()
+    assert without > 100 * error, (without, error)
+
+
+def test_decoding_with_the_temperature_equals_one_forward():
+    """causal=True: each query's temperature is that of the length it has seen, so a prefill of
+    200 tokens and 80 decode steps give every step the logits of one forward over the same tokens."""
+    model, ids = qwen_1m(), random_ids(280)
+    rope_ext.patch(model, "dca", factor=4)
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :200], cache=cache, use_cache=True)
+        steps = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(200, 280)], 1)
+    assert (steps - full[:, 200:]).abs().max() < 1e-5
+
+
+def test_the_temperature_follows_the_config_unless_given():
+    model = qwen_1m()
+    assert rope_ext.patch(model, "dca", factor=4).params["temperature"] is True
+    assert rope_ext.patch(model, "dca", factor=4, temperature=False).params["temperature"] is False
+    stated = {k: v for k, v in QWEN_1M.items() if k != "original_max_position_embeddings"}
+    model.config.dual_chunk_attention_config = stated
+    assert rope_ext.patch(model, "dca", factor=4).params["temperature"] is False
+    plain = random_model("qwen2")
+    assert rope_ext.patch(plain, "dca", factor=4).params["temperature"] is False
+
+
+def test_yarn_dca_is_refused_with_what_to_use():
+    assert_refused_unchanged("yarn_dca", {"factor": 4}, "yarn_dca .* was removed: .* use dca")
 
 
 @pytest.mark.parametrize(
-    "rope, message",
+    "method, params, message",
     [
-        (None, "yarn_dca needs a factor"),
-        ({"rope_type": "llama3", "factor": 2.0}, "yarn_dca needs a factor"),
-        ({"rope_type": "yarn", "factor": 0.5}, re.escape("yarn_dca: config.json: rope_parameters.factor: factor must be")),
+        ("yarn_dca", {"chunk_size": 64, "local_size": 4}, "rope_ext.method: yarn_dca .* was removed"),
+        ("dca", {"chunk_size": 64, "local_size": 4}, "rope_ext.params: dca was recorded by a rope-ext that clamped"),
     ],
 )
-def test_yarn_dca_without_a_factor_on_a_config_without_a_yarn_factor_is_refused(rope, message):
-    model = random_model()
-    if rope is not None:
-        theta = model.config.rope_parameters["rope_theta"]
-        model.config.rope_parameters = {**rope, "rope_theta": theta, "original_max_position_embeddings": WINDOW}
-    assert_refused_unchanged("yarn_dca", {"chunk_size": WINDOW}, message, model=model)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"beta_fast": 1, "beta_slow": 2}, "need beta_fast > beta_slow > 0"),
-        ({"attention_factor": 0}, "attention_factor must be in"),
-        ({"beta_fast": "32"}, "beta_fast must be a number"),
-        ({"chunk_size": 2 * WINDOW}, "exceeds the trained window"),
-        ({"rope": "ntk"}, r"unknown parameter\(s\) \['rope'\]"),
-    ],
-)
-def test_yarn_dca_bad_parameters_change_nothing(kwargs, message):
-    assert_refused_unchanged("yarn_dca", {"factor": 4, **kwargs}, message)
-
-
-def test_yarn_dca_runs_from_the_command_line(tiny_path, tmp_path):
-    """`rope-ext eval passkey --method yarn_dca --factor 4 --param chunk_size=...` patches with the
-    given sizes and yarn's parameters, and records them."""
-    out = tmp_path / "passkey"
-    argv = ["eval", "passkey", "--model", str(tiny_path), "--method", "yarn_dca", "--factor", "4"]
-    argv += ["--param", "chunk_size=128", "--param", "beta_fast=16", "--lengths", "400", "--depths", "0.5", "--trials", "1"]
-    assert cli.main([*argv, "--max-new-tokens", "4", "--dtype", "float32", "--no-progress", "--output", str(out)]) == 0
-    result = json.loads((out / "passkey.json").read_text())
-    patch = result["setup"]["patch"]
-    assert (patch["method"], patch["factor"], patch["max_length"]) == ("yarn_dca", 4.0, 512)
-    assert {k: patch["params"][k] for k in ("chunk_size", "local_size", "beta_fast")} == {
-        "chunk_size": 128,
-        "local_size": 8,
-        "beta_fast": 16,
-    }
+def test_a_record_written_before_is_refused_with_the_reason(tmp_path, method, params, message):
+    """A checkpoint saved with yarn_dca, or with dca before it followed the engines (its params
+    without `temperature`), is refused on reload instead of computing other logits."""
+    model = random_model("qwen2")
+    rope_ext.patch(model, "dca", factor=4)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_ext"].update(method=method, params=params)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        rope_ext.from_pretrained(tmp_path)

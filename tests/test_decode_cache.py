@@ -82,7 +82,7 @@ def prefill_calls(model, ids, monkeypatch) -> int:
     return counter.calls
 
 
-@pytest.mark.parametrize("method, params", [("dca", {"factor": 4}), ("yarn_dca", {"factor": 4})])
+@pytest.mark.parametrize("method, params", [("dca", {"factor": 4}), ("dca", {"factor": 4, "temperature": True})])
 def test_a_prefill_computes_cos_sin_once_not_per_layer(tiny_path, heldout_ids, monkeypatch, method, params):
     """A prefill past the window rotates every chunk's queries and keys by the same positions in
     every layer: the 4-layer tiny model computes as many cos/sin as its first layer alone."""

@@ -13,7 +13,7 @@ from rope_ext.evals import loading
 from helpers import assert_refused_unchanged, assert_saves_reloads_and_unpatches, cached_logits, ppl_past_window
 
 TRAINED = 128  # the tiny model's window
-METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca", "yarn_dca"]
+METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"]
 # one method per attention transform (RotateInAttention, TwoPartAttention, DualChunkAttention)
 CACHED = ["dynamic", "self_extend", "dca"]
 

@@ -133,6 +133,7 @@ class RotateInAttention(AttentionTransform):
                 keep=self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
             )
             q_rotated = rotate_prepared(query.unsqueeze(2), *self._frame_factors(length, False, 0, q_len, query.dtype), *pairing)
+            q_rotated = self.temper(q_rotated)
             return attend(module, q_rotated[:, :, 0], kept[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len
         out = weights = None
@@ -228,6 +229,25 @@ class RotateInAttention(AttentionTransform):
             return None
         scale = torch.where(past, (q_pos + 1).float().log() / math.log(window), 1.0)  # fp32, as the angles
         return scale[:, None, :, None].to(dtype)
+
+    def temper(self, rotated: torch.Tensor, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Rotated query rows [lo, hi) ([B, H, rows, D], or [B, H, P, rows, D] at P positions each)
+        times Llama 4's attention temperature where `attn_scale` is set. Applied after the rotation
+        and rounded to the query's dtype, as transformers' Llama4TextAttention and Ministral3Attention
+        apply it, so that the bits agree with theirs."""
+        if not self.rotary.params.get("attn_scale"):
+            return rotated
+        scales = self.per_forward(("attn scales",), self._attn_scales)[..., lo:hi, :]
+        return (rotated * (scales.unsqueeze(2) if rotated.dim() == 5 else scales)).to(rotated.dtype)
+
+    def _attn_scales(self) -> torch.Tensor:
+        """[B, 1, Sq, 1] fp32: 1 + attn_scale * log1p(floor((p + 1) / floor_scale)) for each query
+        position p, in the operations of transformers' Llama4TextAttention (a step every floor_scale
+        tokens; the first step at p + 1 = floor_scale)."""
+        params = self.rotary.params
+        floor = params["floor_scale"] or self.rotary.geometry.original_window
+        positions = self.rotary.frame.q_pos
+        return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * params["attn_scale"] + 1.0)[:, None, :, None]
 
     def rotate_to(self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
         """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S],
@@ -391,6 +411,5 @@ class RotateInAttention(AttentionTransform):
         else:
             inv_freq, scale = frame.angles(length)
             k_cos, k_sin = cos_sin(inv_freq, scale, frame.k_pos[:, slice(*k_span)], key.dtype)
-        return attend(
-            module, apply_rotary(query, q_cos, q_sin, *pairing), apply_rotary(key, k_cos, k_sin, *pairing), value, mask, **kwargs
-        )
+        q_rotated = self.temper(apply_rotary(query, q_cos, q_sin, *pairing), *q_span)
+        return attend(module, q_rotated, apply_rotary(key, k_cos, k_sin, *pairing), value, mask, **kwargs)

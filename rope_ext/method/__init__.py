@@ -18,7 +18,6 @@ REGISTRY: dict[str, Method] = {
             rerope.METHOD,
             string.METHOD,
             dca.METHOD,
-            dca.YARN_METHOD,
             sink_window.METHOD,
         )
     },

@@ -7,7 +7,7 @@ prefill and token-by-token decoding give the same numbers; a plain reload of a s
 config keeps its trained window. The base owns:
 
 - the validate template: unknown names, the sizes the method declares (`sizes`), every flag
-  (`causal` where `switches`, `logn` where `takes_logn`, a method's own), the factor; then the
+  (`causal` where `switches`, the query scales where `takes_query_scales`, a method's own), the factor; then the
   method's own rules (`check`);
 - the resolve template: the attention backend (`backends`) is checked before the method derives
   its parameters from the model (`derive`);
@@ -35,7 +35,7 @@ from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, h
 from rope_ext.attention.rotate import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, default_inv_freq
+from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, check_query_scales, default_inv_freq
 
 
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
@@ -82,6 +82,8 @@ class AttentionMethod(Method):
         for flag in (key for key, default in self.all_params.items() if isinstance(default, bool)):
             if not isinstance(merged[flag], bool):
                 raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
+        if self.takes_query_scales:
+            check_query_scales(self.name, merged)
         merged = self.check(factor, merged)
         if factor is not None:
             self.accept_factor(factor)
@@ -168,15 +170,17 @@ class TwoPartAttention(RotateInAttention):
         extended, first = self.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
         own, distant_keys = (lambda at: at), (lambda at: method.distant_key(at, params))
         if first is None:
-            q_own = self.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale)[:, :, 0]
+            q_own = self.temper(self.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale))[:, :, 0]
             k_own = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
         # every query rotated to its own and its distant position, every key (kept between forwards)
         # to its own and, where the method moves it, its distant one
-        queries = self.rotate_to(
-            query, "own, distant", lambda: (frame.q_pos, method.distant_query(frame.q_pos, params)), inv_freq, scale
+        queries = self.temper(
+            self.rotate_to(
+                query, "own, distant", lambda: (frame.q_pos, method.distant_query(frame.q_pos, params)), inv_freq, scale
+            )
         )
         q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
         if method.distant_keys_own:

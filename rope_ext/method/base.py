@@ -20,8 +20,9 @@ What a method may add is declared on it, never special-cased by the orchestratio
 - `kv_cache(config, params)`: the KV cache that chunked prefill, perplexity and generation fill
   (rope_ext.chunked), for a method that can let keys go (sink_window); None: transformers'
   DynamicCache;
-- `takes_logn`: the method has the `logn` parameter (LOGN_PARAMS), for a method whose attention
-  rotates each query itself at its own position (rope_ext.attention.RotateInAttention).
+- `takes_query_scales`: the method has the query scales QUERY_SCALE_PARAMS (`logn`, `attn_scale`,
+  `floor_scale`), for a method whose attention rotates each query itself at its own position
+  (rope_ext.attention.RotateInAttention).
 
 Two facts say how the rotation runs, and the flags the orchestration reads follow from them:
 
@@ -61,10 +62,14 @@ SCHEDULE_PARAMS = {"causal": True, "granularity": 1}
 
 ROTATIONS = ("static", "attention")
 
-# Qwen's log-n attention scale (docs/logn.md): logn=True multiplies a query at position p past the
-# trained window L by log(p + 1) / log(L). Read by the attention (RotateInAttention.scale_queries),
-# not by the math, so it needs a per-query hook: only methods with `takes_logn` have it.
-LOGN_PARAMS = {"logn": False}
+# Scales of each query by its position, read by the attention (RotateInAttention), not by the math,
+# so they need a per-query hook: only methods with `takes_query_scales` have them.
+# - `logn`, Qwen's log-n scale (docs/logn.md): True multiplies a query at position p past the trained
+#   window L by log(p + 1) / log(L);
+# - `attn_scale` and `floor_scale`, Llama 4's attention temperature (transformers' Llama4TextAttention,
+#   its config's attn_scale and floor_scale; docs/logn.md): the rotated query at position p times
+#   1 + attn_scale * log1p(floor((p + 1) / floor_scale)); attn_scale 0 is off, floor_scale None is L.
+QUERY_SCALE_PARAMS = {"logn": False, "attn_scale": 0.0, "floor_scale": None}
 
 # Bounds that keep the arithmetic finite: positions and windows are int64 tensors that a product
 # of two such sizes must not overflow; the max_length of factor x window must be an int; cos/sin
@@ -103,7 +108,7 @@ class Method:
     follows_length: bool = False  # the frequencies depend on the length a query has seen
     window_step: bool = False  # ... only on whether it is past the trained window
     factor_required: bool = True
-    takes_logn: bool = False
+    takes_query_scales: bool = False
 
     def __post_init__(self):
         if self.rotation not in ROTATIONS:
@@ -133,7 +138,11 @@ class Method:
 
     @property
     def all_params(self) -> dict:
-        return {**self.params, **{k: SCHEDULE_PARAMS[k] for k in self.schedule}, **(LOGN_PARAMS if self.takes_logn else {})}
+        return {
+            **self.params,
+            **{k: SCHEDULE_PARAMS[k] for k in self.schedule},
+            **(QUERY_SCALE_PARAMS if self.takes_query_scales else {}),
+        }
 
     def bind(self, params: dict) -> Method:
         return self
@@ -154,6 +163,8 @@ class Method:
                     raise ValueError(f"{self.name}: parameter {key}={merged[key]!r} must be a finite number")
         if self.follows_length:
             check_schedule(self.name, merged)
+        if self.takes_query_scales:
+            check_query_scales(self.name, merged)
         if "beta_fast" in merged and not merged["beta_fast"] > merged["beta_slow"] > 0:
             raise ValueError(f"{self.name}: need beta_fast > beta_slow > 0, got {merged['beta_fast']}, {merged['beta_slow']}")
         if "high_freq_factor" in merged and not merged["high_freq_factor"] > merged["low_freq_factor"] > 0:
@@ -197,6 +208,11 @@ class Method:
     def load_state(self, model, path, params: dict) -> None:
         pass
 
+    def stale_record(self, params: dict) -> str | None:
+        """Why a patch record's `params` (config.rope_ext) cannot be re-applied, when they were
+        written while the method computed something else; None when they can."""
+        return None
+
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
         if not self.follows_length or self.window_step or not params.get("causal", True):
             return {}
@@ -215,7 +231,7 @@ class Method:
         return None
 
     def __call__(self, geom: RotaryGeometry, seq_len: int | None, factor: float, params: dict):
-        math_params = {k: v for k, v in params.items() if k not in SCHEDULE_PARAMS and k not in LOGN_PARAMS}
+        math_params = {k: v for k, v in params.items() if k not in SCHEDULE_PARAMS and k not in QUERY_SCALE_PARAMS}
         return self.fn(geom, seq_len, factor=factor, **math_params)
 
 
@@ -240,6 +256,16 @@ def as_size(value, what: str, minimum: int = 1) -> int:
     if not isinstance(number, int) or not minimum <= number <= MAX_POSITIONS:
         raise ValueError(f"{what} must be an int in [{minimum}, {MAX_POSITIONS}], got {value!r}")
     return number
+
+
+def check_query_scales(name: str, params: dict) -> None:
+    """Llama 4's temperature parameters in `params` checked, as Python numbers in place."""
+    beta = as_number(params["attn_scale"], f"{name}: attn_scale")
+    if not (math.isfinite(beta) and beta >= 0):
+        raise ValueError(f"{name}: attn_scale must be a finite number >= 0 (0: no temperature), got {params['attn_scale']!r}")
+    params["attn_scale"] = float(beta)
+    if params["floor_scale"] is not None:
+        params["floor_scale"] = as_size(params["floor_scale"], f"{name}: floor_scale (or None for the trained window)", 1)
 
 
 def check_factor(factor) -> float:

@@ -1,25 +1,39 @@
 """dca: Dual Chunk Attention (An et al. 2024, "Training-Free Long-Context Scaling of Large
-Language Models", ChunkLlama), training-free.
+Language Models"), training-free, as the released code runs it: HKUNLP/ChunkLlama's
+`chunkllama_attn_replace.py` and the engines that serve Qwen2.5-1M with it (vLLM 0.10.2
+vllm/attention/backends/dual_chunk_flash_attn.py with
+vllm/model_executor/layers/rotary_embedding/dual_chunk_rope.py; SGLang 0.5.2
+sglang/srt/layers/attention/dual_chunk_flashattention_backend.py with DualChunkRotaryEmbedding in
+sglang/srt/layers/rotary_embedding.py).
 
 The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at their position
 within their chunk, j mod s; a query at position i in chunk n = i // s attends
 
-    keys of its own chunk           with query position  i mod s                (intra-chunk)
-    keys of the chunk before        with query position  min(i mod s + s, c - 1) (successive-chunk)
-    keys of every earlier chunk     with query position  c - 1                   (inter-chunk)
+    keys of its own chunk           with query position  i mod s                  (intra-chunk)
+    keys of the chunk before        with query position  min(i mod s + s, c)      (successive-chunk)
+    keys of every earlier chunk     with query position  min(2s - 1, c)           (inter-chunk)
 
-where c = chunk_size, and the three parts share one softmax. No relative distance exceeds c - 1,
-so with c at most the trained window L the model never sees a distance it was not trained on;
-nearby tokens keep their true distance up to local_size into the next chunk.
+where c = chunk_size, and the three parts share one softmax. No relative distance exceeds c, so
+with c at most the trained window L the model sees at most the distance L; nearby tokens keep their
+true distance up to local_size into the next chunk. (The paper's Fig. 2 clamps at c - 1; the code
+and both engines at c.)
 
-A query in the first two chunks at a position below c (i < min(c, 2s)) meets every key at its
-true distance through the maps above: such queries attend with their own positions, exactly as the
-unpatched model (bit for bit). With local_size > c / 2 (s < c / 2) the queries from 2s to c - 1
-already see keys two chunks back at the inter-chunk position c - 1, as the maps say.
+A query at a position i < min(c + 1, 2s) meets every key at its true distance through the maps
+above: such queries attend with their own positions, exactly as the unpatched model (bit for bit).
 
-The rotary frequencies stay the trained ones (`yarn_dca`: YaRN's, below); the KV cache keeps keys
-before rotation (the mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked
-prefill and token-by-token decoding give the same numbers. `logn=True` adds Qwen's log-n scale to the
+`temperature` is the engines' length temperature (Qwen2.5-1M's "YaRN" in that stack: no frequency
+changes): with L the trained window, logits times t(n)^2, t(n) = max(1, 0.1 ln(n / L) + 1). The
+engines multiply the keys by t(n) before caching them and the softmax scale by t(n) in a prefill of
+n tokens; `causal` says what n is here: True (default), the length each query has seen (its position
++ 1), so one forward, chunked prefill and decoding agree; False, the length of the forward's
+sequence for all its rows, which is the engines' prefill of a prompt of that length. Decoding in the
+engines multiplies the new query by t(n) against keys that kept the factor of their own write
+(vLLM; SGLang 0.5.2 caches a decode step's key before scaling it), which neither setting is. The
+temperature is on where the checkpoint's `dual_chunk_attention_config` states
+original_max_position_embeddings (the engines apply it exactly then), unless given.
+
+The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
+mechanism of the dynamic methods, rope_ext.rotary). `logn=True` adds Qwen's log-n scale to the
 queries past the trained window (docs/logn.md).
 
 How it runs: each part is an attention call of the model's own head size over the keys it needs,
@@ -27,19 +41,13 @@ without a mask (the intra-chunk part: the chunk's keys before the forward's firs
 a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
 No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
 (one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
-min(c, 2s), at their own positions instead): a decode step rotates only its query, at its three
+min(c + 1, 2s), at their own positions instead): a decode step rotates only its query, at its three
 positions, and its new key, and attends the three parts in three calls.
 
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
 "dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
 trained window from original_max_position_embeddings (docs/dca.md); `stated_sizes` checks each.
-
-`yarn_dca` is the same attention over YaRN's frequencies and attention temperature at the factor
-(rope_ext.method.rope.yarn, with its beta_fast, beta_slow, attention_factor and truncate), as Qwen
-runs DCA under a config that states yarn rope_parameters: without a factor it takes the one those
-rope_parameters state. With chunk_size = L every query inside the window meets every key at its
-true distance, so there the patch is rope-ext's `yarn` at the same factor, bit for bit.
 """
 
 from __future__ import annotations
@@ -54,16 +62,17 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts, as_size, check_factor
-from .rope import METHODS as ROPE_METHODS
-from .rope import yarn
+from .base import ModelFacts, as_size
 
 NAME = "dca"
-PARAMS = {"chunk_size": None, "local_size": None}
-SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax"
-FORMULA = "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c-1) (previous chunk), c-1 (earlier); s = c - local"
+PARAMS = {"chunk_size": None, "local_size": None, "temperature": None}
+SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax, Qwen's length temperature"
+FORMULA = (
+    "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c) (previous chunk), min(2s-1, c) (earlier); "
+    "s = c - local; temperature: logits x max(1, 0.1 ln(n/L) + 1)^2"
+)
 CONFIG_KEY = "dual_chunk_attention_config"  # Qwen2.5-1M's config.json
-LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice
+LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice (Qwen's configs state c / 32)
 # The keys of CONFIG_KEY that rope-ext reads, with their smallest values; its other keys (Qwen's
 # settings of vLLM's sparse attention) configure nothing here.
 STATED = {"chunk_size": 2, "local_size": 1, "original_max_position_embeddings": 2}
@@ -117,10 +126,30 @@ class DualChunkAttention(RotateInAttention):
     others attend their chunk, the chunk before and the earlier chunks as calls merged by
     log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
     are kept rotated to their place in their chunk (one copy of the key cache, RotatedKeys), and to
-    their own positions while every query is below min(c, 2s) (a second copy, of at most that
-    many keys, let go once the queries pass it)."""
+    their own positions while every query is below min(c + 1, 2s) (a second copy, of at most that
+    many keys, let go once the queries pass it). With `temperature` on, the queries carry t(n)^2
+    (scale_queries)."""
 
     rotates = True
+
+    def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
+        query = super().scale_queries(query)
+        if not self.rotary.params["temperature"]:
+            return query
+        # a factor on the queries reaches every part they are attended in, as the engines' factor on
+        # the softmax scale and the keys does
+        scale = self.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
+        return query if scale is None else query * scale
+
+    def _temperature(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """[B, 1, Sq, 1]: t(n)^2 for each query row, n the length it has seen (causal) or the
+        forward's (the engines' prefill); None where every n is at most the trained window L."""
+        q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
+        seen = q_pos + 1 if self.rotary.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
+        if not bool((seen > window).any()):
+            return None
+        t = (0.1 * torch.log(seen.double() / window) + 1.0).clamp(min=1.0)
+        return (t * t)[:, None, :, None].to(dtype)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         query, k_pos = self.received(query, key)
@@ -129,14 +158,15 @@ class DualChunkAttention(RotateInAttention):
         first = self.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
-        inv_freq, scale = rotary.frame.angles(rotary.geometry.original_window)  # the method's: trained, or yarn_dca's
+        inv_freq, scale = rotary.frame.angles(rotary.geometry.original_window)
         positions = rotary.frame.q_pos[:1]  # [1, Sq]
         exact, chunks = self.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)[:, :, 0]
-            if exact == q_len:  # every key below min(c, 2s): kept at its own position while the queries are
+            q_own = self.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
+            q_own = self.temper(q_own, 0, exact)[:, :, 0]
+            if exact == q_len:  # every key below min(c + 1, 2s): kept at its own position while the queries are
                 k_own = self.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
             else:
                 end = offset + exact
@@ -159,7 +189,7 @@ class DualChunkAttention(RotateInAttention):
         """(the number of rows whose every key is in their chunk or the one before at its true
         distance: positions are consecutive, so the first rows; a ChunkRows for each chunk the
         other rows are in). They follow from the positions alone: once per forward."""
-        exact = int((positions < min(chunk, 2 * span)).sum())
+        exact = int((positions < min(chunk + 1, 2 * span)).sum())
         rows = positions[exact:]
         chunks = torch.div(rows, span, rounding_mode="floor")
         found = []
@@ -174,8 +204,8 @@ class DualChunkAttention(RotateInAttention):
                     exact + hi,
                     int(rows[lo]),
                     within,
-                    torch.clamp(within + span, max=chunk - 1),
-                    torch.full_like(within, chunk - 1),
+                    torch.clamp(within + span, max=chunk),
+                    torch.full_like(within, min(2 * span - 1, chunk)),
                 )
             )
         return exact, found
@@ -192,7 +222,7 @@ class DualChunkAttention(RotateInAttention):
         end = lo + query.shape[-2]
         # the rows of chunk n are the same in every layer of the forward: n names their positions
         queries = self.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
-        q_intra, q_succ, q_inter = queries.unbind(2)
+        q_intra, q_succ, q_inter = self.temper(queries, rows.lo, rows.hi).unbind(2)
         if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
             parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
         else:
@@ -212,12 +242,29 @@ class DualChunkAttention(RotateInAttention):
 @dataclass(frozen=True)
 class DualChunkMethod(AttentionMethod):
     """dca as an AttentionMethod: chunk_size c and local_size, from the call, the checkpoint's
-    dual_chunk_attention_config, or their defaults; the attention is `DualChunkAttention`."""
+    dual_chunk_attention_config, or their defaults; `temperature` from the call or, as the engines
+    decide it, whether that config states original_max_position_embeddings; the attention is
+    `DualChunkAttention`."""
 
     # chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
     sizes: ClassVar[dict] = {"chunk_size": 2, "local_size": 1}
     transform: ClassVar[type] = DualChunkAttention
     chooses_keys: ClassVar[bool] = True
+
+    def check(self, factor, params: dict) -> dict:
+        if params["temperature"] is not None and not isinstance(params["temperature"], bool):
+            raise ValueError(f"{self.name}: temperature must be True, False or None, got {params['temperature']!r}")
+        return params
+
+    def stale_record(self, params: dict) -> str | None:
+        if "temperature" in params:
+            return None
+        return (
+            "dca was recorded by a rope-ext that clamped the successive- and inter-chunk query positions at "
+            "chunk_size - 1 (the paper's figure); dca now computes the released code's maps (min(i mod s + s, c), "
+            "min(2s - 1, c)) and Qwen's temperature, which would change this checkpoint's logits: patch the base "
+            "model again with dca (docs/dca.md)"
+        )
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
@@ -230,58 +277,20 @@ class DualChunkMethod(AttentionMethod):
         }
         if chunk > trained:
             raise ValueError(
-                f"{self.name}: {source['chunk_size']} {chunk} exceeds the trained window {trained}: distances up to chunk_size - 1 "
-                "must have been trained"
+                f"{self.name}: {source['chunk_size']} {chunk} exceeds the trained window {trained}: the distances reach "
+                "chunk_size, which must stay within what was trained"
             )
         if not 0 < local < chunk:
             raise ValueError(
                 f"{self.name}: {source['local_size']} must be between 1 and chunk_size - 1 ({chunk - 1}), got {local}"
             )
-        return factor, {**params, "chunk_size": int(chunk), "local_size": int(local)}
+        temperature = params["temperature"]
+        if temperature is None:
+            temperature = "original_max_position_embeddings" in stated
+        return factor, {**params, "chunk_size": int(chunk), "local_size": int(local), "temperature": temperature}
 
 
-METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), takes_logn=True)
-
-YARN_NAME = "yarn_dca"
-YARN = next(m for m in ROPE_METHODS if m.name == "yarn")
-
-
-def yarn_chunk_frequencies(geom: RotaryGeometry, seq_len=None, *, factor: float, chunk_size, local_size, **ramp):
-    """YaRN's frequencies and temperature at `factor`, for every chunk position."""
-    return yarn(geom, factor=factor, **ramp)
-
-
-@dataclass(frozen=True)
-class YarnDualChunkMethod(DualChunkMethod):
-    """yarn_dca: dca over YaRN's frequencies. The factor is YaRN's s; without one, the one the
-    checkpoint's yarn rope_parameters state."""
-
-    def check(self, factor, params: dict) -> dict:
-        # YaRN's rules on its own parameters do not involve the factor, which may come from the
-        # model's config later (derive): a stand-in s = 2 lets yarn's validate run without one
-        ramp = YARN.validate(2.0 if factor is None else factor, {k: params[k] for k in YARN.params})
-        return {**params, **ramp}
-
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-        if factor is None:
-            stated = facts.config.get("rope_parameters") or {}
-            if stated.get("rope_type") != "yarn" or stated.get("factor") is None:
-                raise ValueError(
-                    f"{YARN_NAME} needs a factor (YaRN's s), or a config.json whose rope_parameters state yarn with one"
-                )
-            try:
-                factor = check_factor(stated["factor"])
-            except ValueError as err:
-                raise ValueError(f"{YARN_NAME}: config.json: rope_parameters.factor: {err}") from None
-        return super().derive(facts, geometry, factor, params)
-
-
-YARN_METHOD = YarnDualChunkMethod(
-    YARN_NAME,
-    "Dual Chunk Attention over YaRN's frequencies and temperature (Qwen2.5-1M)",
-    f"{FORMULA}; frequencies yarn(s)",
-    params={**PARAMS, **YARN.params},
-    fn=yarn_chunk_frequencies,
-    takes_logn=True,
-    factor_required=False,
+# `causal` chooses the length n of the temperature; with it off, n plays no part
+METHOD = DualChunkMethod(
+    NAME, SUMMARY, FORMULA, params=dict(PARAMS), takes_query_scales=True, switches="Qwen's length temperature"
 )

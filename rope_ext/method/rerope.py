@@ -174,5 +174,5 @@ class ReRoPEMethod(TwoPartMethod):
 
 
 METHOD = ReRoPEMethod(
-    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True, switches="rectified distances"
+    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_query_scales=True, switches="rectified distances"
 )

@@ -289,7 +289,7 @@ METHODS = [
         "base * (s*L'/L - (s-1))^(D/(D-2)) when L' > L, else unchanged",
         rotation="attention",
         follows_length=True,
-        takes_logn=True,
+        takes_query_scales=True,
         # transformers' `dynamic` is this method with causal=False and logn=False only: it has no
         # per-token schedule and no log-n scale, so the others have no native form
         # (rope_ext.from_pretrained). It reads max_position_embeddings as the trained window,
@@ -315,7 +315,7 @@ METHODS = [
         params=dict(_YARN_PARAMS),
         rotation="attention",
         follows_length=True,
-        takes_logn=True,
+        takes_query_scales=True,
     ),
     RopeMethod(
         "ntk_by_parts",

@@ -223,5 +223,5 @@ class SelfExtendMethod(TwoPartMethod):
 
 
 METHOD = SelfExtendMethod(
-    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_logn=True, switches="grouped attention"
+    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_query_scales=True, switches="grouped attention"
 )
