@@ -56,7 +56,7 @@ import torch
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import MAX_POSITIONS, ModelFacts, as_size
+from .base import ModelFacts, as_size
 from .self_extend import choose_group
 
 NAME = "dpe"
@@ -110,10 +110,7 @@ class DpeMethod(TwoPartMethod):
         window = max(1, trained // WINDOW_FRACTION) if params["window"] is None else params["window"]
         if window >= trained:
             raise ValueError(f"{NAME}: the local window ({window}) must be smaller than the trained window ({trained})")
-        target = math.ceil(trained * factor)
-        if target > MAX_POSITIONS:
-            raise ValueError(f"{NAME}: factor {factor:g} x {trained} exceeds {MAX_POSITIONS} positions")
-        scales = params["scales"] or [choose_group(trained, target, window, "reach")]
+        scales = params["scales"] or [choose_group(trained, math.ceil(trained * factor), window, "reach")]
         if pairs % len(scales):
             raise ValueError(
                 f"{NAME}: {len(scales)} scales do not split this model's {pairs} frequency pairs (rotary dim "
