@@ -39,6 +39,7 @@ METHOD_NAMES = (
     "self_extend",
     "rerope",
     "string",
+    "dpe",
     "dca",
     "sink_window",
 )
@@ -449,3 +450,54 @@ def search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES), help="weights and activations dtype (default: auto)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def dpe_probe(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH_OR_ID",
+        help=f"the checkpoint to probe (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)",
+    )
+    parser.add_argument("--factor", type=float, required=True, help="target length over the trained window (> 1)")
+    parser.add_argument(
+        "--groups", type=int, default=8, help="groups of frequency pairs, fastest first (default 8, the authors')"
+    )
+    parser.add_argument(
+        "--base",
+        type=int,
+        default=None,
+        help="the scale of the groups not being moved (default: 2 x length / trained window, the authors')",
+    )
+    parser.add_argument(
+        "--candidates",
+        default=None,
+        metavar="S1,S2,...",
+        help="the scales each group is tried at (default: the base x 1/16, 1/4, 1/2, 1, 2, 4, 16, whole numbers >= 1)",
+    )
+    parser.add_argument("--window", type=int, default=None, help="dpe's local window W (default: the trained window / 8)")
+    parser.add_argument(
+        "--inside-window",
+        action="store_true",
+        help="scale from position W on, inside the trained window too, as the authors' code (default: past the trained window)",
+    )
+    parser.add_argument("--samples", type=int, default=10, help="passkey prompts per setting (default 10)")
+    parser.add_argument(
+        "--needle",
+        choices=("digits", "words"),
+        default="digits",
+        help="how the prompts spell the key: digits, or each digit's English name (default: digits)",
+    )
+    parser.add_argument(
+        "--length", type=int, default=None, help="prompt length in tokens (default: the trained window x --factor)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' keys (default 0)")
+    parser.add_argument(
+        "--original-window",
+        type=int,
+        default=None,
+        help="the pretraining window, for checkpoints whose config does not record it",
+    )
+    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES), help="weights and activations dtype (default: auto)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    output_arguments(parser)

@@ -40,6 +40,11 @@ COMMANDS = {
         arguments.search,
         "LongRoPE-style search of per-pair rescale factors; writes a longrope checkpoint",
     ),
+    "dpe-probe": (
+        "rope_ext.dpe_probe",
+        arguments.dpe_probe,
+        "DPE's probe of each dimension group's effective distance: one group's scale moved at a time, needles answered",
+    ),
     "convert-chatglm": (
         "rope_ext.patches.chatglm.convert",
         arguments.convert_chatglm,

@@ -112,6 +112,15 @@ METHODS = [
         unpadded=False,
         needs_factor=False,
     ),
+    Row(
+        "dpe",
+        inside=[{"factor": 4}, {"factor": 4, "scales": "llama3-8b-instruct"}],
+        cached=[{"factor": 4}, {"factor": 4, "scales": [2, 3, 4, 8, 8, 16, 32, 64], "inside_window": True}],
+        decoded=[{"factor": 4, "scales": [2, 3, 4, 8, 8, 16, 32, 64]}],
+        decode_step=[{"factor": 4, "scales": [2, 3, 4, 8, 8, 16, 32, 64], "window": 24}],  # 24 % 16 != 0
+        saved=[{"factor": 4, "scales": [2, 3, 4, 8, 8, 16, 32, 64]}, {"factor": 4, "window": 24, "inside_window": True}],
+        unpadded=False,
+    ),
 ]
 
 
@@ -246,6 +255,7 @@ KEPT = [
     ("rerope", {"factor": 4}),
     ("rerope", {"factor": 4, "leak": "auto"}),
     ("string", {"factor": 4, "local": 16}),
+    ("dpe", {"factor": 4, "scales": "llama3-8b-instruct"}),
     ("dca", {"factor": 4}),
     ("sink_window", {"factor": 4, "sinks": 2, "window": 50}),
 ]
@@ -258,7 +268,7 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
     assert_kept_keys_follow_the_cache(tiny_model, torch.stack((heldout_ids[:400], heldout_ids[500:900])), end)
 
 
-@pytest.mark.parametrize("method, params", [KEPT[0], KEPT[4], KEPT[5]])
+@pytest.mark.parametrize("method, params", [KEPT[0], KEPT[5], KEPT[6]])
 def test_a_store_that_does_not_follow_the_cache_is_caught(tiny_model, heldout_ids, monkeypatch, method, params):
     """The test above fails on a store that keeps its rotated keys through a change of the cache."""
     rope_ext.patch(tiny_model, method, **params)

@@ -20,15 +20,21 @@ OLD_SCHEDULE = {"causal": True, "granularity": 1}
 
 
 def test_every_attention_side_method_is_registered_through_the_base():
-    assert ATTENTION_SIDE == ["dca", "rerope", "self_extend", "sink_window", "string"]
-    assert {name for name in ATTENTION_SIDE if isinstance(REGISTRY[name], TwoPartMethod)} == {"rerope", "self_extend", "string"}
+    assert ATTENTION_SIDE == ["dca", "dpe", "rerope", "self_extend", "sink_window", "string"]
+    assert {name for name in ATTENTION_SIDE if isinstance(REGISTRY[name], TwoPartMethod)} == {
+        "dpe",
+        "rerope",
+        "self_extend",
+        "string",
+    }
     for name in ATTENTION_SIDE:
         method = REGISTRY[name]
         assert method.dynamic and not method.follows_length and method.needs_attention_interface
 
 
 @pytest.mark.parametrize(
-    "name, causal", [("self_extend", True), ("rerope", True), ("dca", True), ("sink_window", False), ("string", False)]
+    "name, causal",
+    [("self_extend", True), ("rerope", True), ("dca", True), ("sink_window", False), ("string", False), ("dpe", False)],
 )
 def test_listed_parameters_are_the_ones_a_method_takes(name, causal):
     listed = rope_ext.methods()[name]["params"]

@@ -135,6 +135,8 @@ SET_TO = {
     "partial_rotary_factor": 0.5,
     "short_factor": lambda pairs: [1.1] * pairs,
     "long_factor": lambda pairs: [3.0] * pairs,
+    "scales": lambda pairs: [2, 8],
+    "inside_window": True,
 }
 
 

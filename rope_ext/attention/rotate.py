@@ -249,22 +249,24 @@ class RotateInAttention(AttentionTransform):
         positions = self.rotary.frame.q_pos
         return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * params["attn_scale"] + 1.0)[:, None, :, None]
 
-    def rotate_to(self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
-        """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S],
+    def rotate_to(
+        self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float, grouped: bool = False
+    ) -> torch.Tensor:
+        """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S]
+        (with `grouped`, [B or 1, S, G]: a position for each group of frequencies, rope_ext.rotation.cos_sin),
         with the given frequencies: [B, H, P, S, D], one rotation for all P. `key` names the
         positions and frequencies (the same key, the same ones, in every layer of the forward): their
         (cos, sin), and the positions themselves, are computed once per forward."""
-        return rotate_prepared(
-            x.unsqueeze(2), *self._factors(("queries", key), positions, inv_freq, scale, x.dtype), *self.rotary.geometry.pairing
-        )
+        factors = self._factors(("queries", key), positions, inv_freq, scale, x.dtype, grouped)
+        return rotate_prepared(x.unsqueeze(2), *factors, *self.rotary.geometry.pairing)
 
-    def _factors(self, key, positions: Callable, inv_freq, scale, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _factors(self, key, positions: Callable, inv_freq, scale, dtype, grouped=False) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B or 1, 1, P, S, D] of each of `positions()`, prepared (rope_ext.rotation), once
         per forward and `key`. Each position tensor's (cos, sin) are computed apart, as they would be
         alone, so that their bits do not depend on what else is rotated with them."""
 
         def compute():
-            pairs = [cos_sin(inv_freq, scale, at, dtype) for at in positions()]
+            pairs = [cos_sin(inv_freq, scale, at, dtype, grouped) for at in positions()]
             return prepared(
                 torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.rotary.geometry.layout
             )
@@ -309,15 +311,23 @@ class RotateInAttention(AttentionTransform):
             )
         return first
 
-    def keys_at(self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale) -> torch.Tensor:
+    def keys_at(
+        self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale, grouped: bool = False
+    ) -> torch.Tensor:
         """`key` (the keys attention received) rotated to each position map maps[m](k_pos) [B or 1,
-        kv_len], named names[m], with the given frequencies: [B, H, M, kv_len, D], kept between
-        forwards (kept_keys). The maps and the frequencies must be the patch's for the cache's life,
-        and each key's positions follow from its own position alone."""
+        kv_len] (with `grouped`, [B or 1, kv_len, G], as rotate_to), named names[m], with the given
+        frequencies: [B, H, M, kv_len, D], kept between forwards (kept_keys). The maps and the
+        frequencies must be the patch's for the cache's life, and each key's positions follow from
+        its own position alone."""
 
         def rotation(start: int, stop: int):
             return self._factors(
-                ("keys", names, start, stop), lambda: [at(k_pos[:, start:stop]) for at in maps], inv_freq, scale, key.dtype
+                ("keys", names, start, stop),
+                lambda: [at(k_pos[:, start:stop]) for at in maps],
+                inv_freq,
+                scale,
+                key.dtype,
+                grouped,
             )
 
         return self.kept_keys(module, key, names, rotation)

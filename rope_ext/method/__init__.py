@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from . import alibi_hybrid, dca, longrope, rerope, rope, self_extend, sink_window, string
+from . import alibi_hybrid, dca, dpe, longrope, rerope, rope, self_extend, sink_window, string
 from .base import Method
 from rope_ext.arguments import unknown_method
 
@@ -17,6 +17,7 @@ REGISTRY: dict[str, Method] = {
             self_extend.METHOD,
             rerope.METHOD,
             string.METHOD,
+            dpe.METHOD,
             dca.METHOD,
             sink_window.METHOD,
         )

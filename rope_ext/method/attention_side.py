@@ -17,10 +17,11 @@ Records written before this base listed `causal` and `granularity` for every met
 keys before rotation; a record that carries them at their defaults still reloads, and any other
 value is refused with the reason.
 
-`TwoPartMethod` is the two-part engine of self_extend, rerope and string (and any method of that
-shape): for the queries the method `switched`, keys within its `near_window` keep their own
-positions and the others meet the query at the method's `distant_query` / `distant_key` positions,
-both parts in one softmax. A new method of that shape is one class with those maps.
+`TwoPartMethod` is the two-part engine of self_extend, rerope, string and dpe (and any method of
+that shape): for the queries the method `switched`, keys within its `near_window` keep their own
+positions and the others meet the query at the method's `distant_query` / `distant_key` positions
+(with `grouped`, one for each group of frequencies: dpe's), both parts in one softmax. A new method
+of that shape is one class with those maps.
 """
 
 from __future__ import annotations
@@ -175,18 +176,26 @@ class TwoPartAttention(RotateInAttention):
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
+        grouped = method.grouped
+        # with grouped distant positions, the own ones as one group: one rotation serves both
+        own = (lambda at: at[..., None]) if grouped else own
         # every query rotated to its own and its distant position, every key (kept between forwards)
         # to its own and, where the method moves it, its distant one
         queries = self.temper(
             self.rotate_to(
-                query, "own, distant", lambda: (frame.q_pos, method.distant_query(frame.q_pos, params)), inv_freq, scale
+                query,
+                "own, distant",
+                lambda: (own(frame.q_pos), method.distant_query(frame.q_pos, params)),
+                inv_freq,
+                scale,
+                grouped,
             )
         )
         q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
         if method.distant_keys_own:
-            k_own = k_group = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
+            k_own = k_group = self.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale, grouped)[:, :, 0]
         else:
-            keys = self.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale)
+            keys = self.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale, grouped)
             k_own, k_group = keys[:, :, 0], keys[:, :, 1]
         outputs = []
         if first:
@@ -314,6 +323,9 @@ class TwoPartMethod(AttentionMethod):
 
     transform: ClassVar[type] = TwoPartAttention
     distant_keys_own: ClassVar[bool] = False
+    # The distant maps give [..., S, G], a position for each of G equal groups of frequencies
+    # (rope_ext.rotation.cos_sin), not one for every frequency: dpe's dimension groups.
+    grouped: ClassVar[bool] = False
 
     def near_window(self, params: dict) -> int:
         """The index distance from which a key is attended at the distant positions."""

@@ -1,0 +1,149 @@
+"""dpe: Dimension-Wise Positional Embeddings Manipulation (Lu et al. 2025, "Effective Length
+Extrapolation via Dimension-Wise Positional Embeddings Manipulation", arXiv 2504.18857; reference
+code LuLuLuyi/DPE, dpe_for_llama.py), training-free.
+
+RoPE's D/2 frequency pairs are split into G equal groups of consecutive pairs, group 0 the fastest
+(the authors' `dimension_groups_range` [0, 8, ..., 64] indexes the pairs from the first, whose
+frequency is 1). Each group g has its own scale s_g. For a query at position i and a key at
+position j <= i, with local window W:
+
+    i - j <  W:  the usual positions i and j, in every group                        (local window)
+    i - j >= W:  in group g, key floor(j/s_g), query floor(i/s_g) + W - floor(W/s_g)  (scaled)
+
+both kinds of logits in one softmax (the reference code merges two flash-attention calls by their
+log-sum-exp). With one group this is SelfExtend's grouped attention (rope_ext.method.self_extend)
+with group s. A key at distance exactly W meets the query at W when s_g divides W (the authors'
+W = 1024 and scales are powers of two); the reference code's prefill adds W - W/s_g (true
+division) where its decode step adds W - floor(W/s_g), so the two agree only there; this method
+uses the floor everywhere, so prefill and decoding agree for every scale.
+
+Which queries use the scaled positions: the reference code scales every query from position W on,
+inside the trained window too (`inside_window=True`). By default only queries past the trained
+window L do (a query at position i >= L), so inside the window the model is the unpatched one bit
+for bit and the patch only acts where the model has no trained positions of its own. Either way a
+query's positions follow from its own position alone, so one forward, chunked prefill and
+token-by-token decoding give the same numbers.
+
+Parameters:
+
+- `scales`: one int >= 1 per group, or the name of a preset (PRESETS). G must divide D/2. None
+  (the default): one group, the smallest scale whose distances stay inside the trained window at
+  the length the patch is meant for (self_extend's "reach" rule), i.e. SelfExtend; `rope-ext
+  dpe-probe` measures each group's own scale.
+- `window`: W, default L / 8 (the authors' 1024 for Llama-3-8B's 8192).
+- `inside_window`: scale from position W on, as the reference code does.
+- `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length); the
+  scales do not depend on it, the default scale does.
+
+Not here: the reference code's optional selection of the top-k "key dimensions" by their q/k
+2-norm contribution (`select_topk_dim`, off in its README's quick start), which needs a per-layer,
+per-head calibration file; every dimension of a group is scaled.
+
+How it runs: the two-part engine (rope_ext.method.attention_side.TwoPartAttention), with grouped
+position maps (TwoPartMethod.grouped): queries and keys are rotated to their own positions and to
+their scaled ones, one position per frequency group, in one rotation each; a DynamicCache's keys
+are kept rotated in two copies, so a decode step rotates only its query and its new key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from rope_ext.geometry import RotaryGeometry
+
+from .attention_side import TwoPartMethod
+from .base import ModelFacts, as_size
+from .self_extend import choose_group
+
+NAME = "dpe"
+PARAMS = {"scales": None, "window": None, "inside_window": False}
+SUMMARY = "DPE: exact positions for neighbours; distant keys at positions scaled per group of RoPE dimensions"
+FORMULA = "i-j < W: positions (i, j); else in frequency group g: (floor(i/s_g) + W - floor(W/s_g), floor(j/s_g)); one softmax"
+
+# The scales the authors publish, one per group of consecutive frequency pairs, fastest first.
+# llama3-8b-instruct: LuLuLuyi/DPE README (quick start and "Add the Results to DPE config"), with
+# local window 1024 and 8 groups of 8 of Llama-3-8B's 64 pairs, for 128k tokens over its 8192.
+PRESETS = {"llama3-8b-instruct": (4, 4, 2, 16, 32, 32, 16, 128)}
+WINDOW_FRACTION = 8  # W = L / 8: the authors' 1024 of 8192
+
+
+def group_distances(target: int, scales: list[int], window: int) -> list[int]:
+    """The largest distance each group gives at `target` tokens: query target - 1 against key 0,
+    floor((N - 1)/s) + W - floor(W/s), or N - 1 where the sequence ends inside the window."""
+    if target <= window:
+        return [target - 1] * len(scales)
+    return [(target - 1) // s + window - window // s for s in scales]
+
+
+def as_scales(value) -> list[int]:
+    """`value` (a preset name, or a list or tuple of ints, or a 1-D tensor or array) as a list of ints >= 1."""
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise ValueError(f"{NAME}: unknown scales preset {value!r}; presets: {', '.join(PRESETS)}")
+        return list(PRESETS[value])
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(
+            f"{NAME}: scales must be a non-empty list of ints (one per group of frequency pairs) or a preset "
+            f"({', '.join(PRESETS)}), got {value!r}"
+        )
+    return [as_size(item, f"{NAME}: scales[{i}]") for i, item in enumerate(value)]
+
+
+@dataclass(frozen=True)
+class DpeMethod(TwoPartMethod):
+    """DPE's per-group scales and local window, as the two-part engine's grouped distant positions."""
+
+    sizes: ClassVar[dict] = {"window": 1}
+    grouped: ClassVar[bool] = True
+
+    def check(self, factor, params: dict) -> dict:
+        return params if params["scales"] is None else {**params, "scales": as_scales(params["scales"])}
+
+    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+        trained, pairs = geometry.original_window, geometry.rotary_dim // 2
+        window = max(1, trained // WINDOW_FRACTION) if params["window"] is None else params["window"]
+        if window >= trained:
+            raise ValueError(f"{NAME}: the local window ({window}) must be smaller than the trained window ({trained})")
+        scales = params["scales"] or [choose_group(trained, math.ceil(trained * factor), window, "reach")]
+        if pairs % len(scales):
+            raise ValueError(
+                f"{NAME}: {len(scales)} scales do not split this model's {pairs} frequency pairs (rotary dim "
+                f"{geometry.rotary_dim}) into equal groups; give a number of scales that divides {pairs}"
+            )
+        return float(factor), {**params, "scales": scales, "window": window}
+
+    def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
+        """Each group's largest distance at max_length, beside the trained window: a fast group may
+        go past it (the authors' Llama-3 scales 2 and 4 do), a slow one should not."""
+        trained = geometry.original_window
+        target = math.ceil(trained * factor)
+        largest = group_distances(target, params["scales"], params["window"])
+        return {
+            "group_distances": {
+                "target": target,
+                "largest": largest,
+                "inside_trained": [d < trained for d in largest],
+                "pairs_per_group": geometry.rotary_dim // 2 // len(params["scales"]),
+            }
+        }
+
+    def switched(self, frame, trained: int, params: dict) -> torch.Tensor:
+        return frame.q_pos >= (params["window"] if params["inside_window"] else trained)
+
+    def distant_query(self, q_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        """[..., S, G]: floor(i/s_g) + W - floor(W/s_g) for each group g."""
+        scales, window = torch.tensor(params["scales"], device=q_pos.device), params["window"]
+        return torch.div(q_pos[..., None], scales, rounding_mode="floor") + (window - window // scales)
+
+    def distant_key(self, k_pos: torch.Tensor, params: dict) -> torch.Tensor:
+        """[..., S, G]: floor(j/s_g) for each group g."""
+        return torch.div(k_pos[..., None], torch.tensor(params["scales"], device=k_pos.device), rounding_mode="floor")
+
+
+METHOD = DpeMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS))
