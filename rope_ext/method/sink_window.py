@@ -24,9 +24,10 @@ the same time. A DynamicCache (what `model.generate` builds by itself) keeps eve
 the same numbers.
 
 How it runs: queries below s + w attend through the model's own backend. The others attend the
-sinks in one call (query at s + w - 1) and their window in blocks of rows, each over the keys its
-rows can see with a band mask, merged by log-sum-exp (rope_ext.attention.merge_by_lse). No [S, S]
-tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
+sinks in one call (query at s + w - 1) and their window as calls without a mask
+(rope_ext.attention.window_parts: blocks of w rows, each its own keys causally and the triangle of
+earlier ones reversed), merged by log-sum-exp (rope_ext.attention.merge_by_lse). No mask and no
+[S, S] tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
 (one copy of the key cache, rope_ext.attention.rotate.RotatedKeys), so a decode step rotates only
 its query and its new key; a SinkWindowCache's, at most sinks + window, are rotated at each forward.
 """
@@ -39,7 +40,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rope_ext.attention import SCORE_BYTES, RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary
 
@@ -185,24 +186,12 @@ class SinkWindowAttention(RotateInAttention):
             k_window, v_window = k_all[:, :, lo_key:], value[:, :, lo_key:]
             if sinks:
                 sink_out, sink_lse = attend_with_lse(q_sinks, k_all[:, :, :sinks], value[:, :, :sinks], scale=scaling)
-            batch, heads = query.shape[:2]
-            block = max(1, min(window, SCORE_BYTES // (batch * heads * 2 * window * 4)))
-            for lo in range(0, q_len - exact, block):
-                hi = min(lo + block, q_len - exact)
-                # row lo + r sees window keys lo + r .. lo + r + window - 1 of k_window; one row sees them all
-                mask = None
-                if hi - lo > 1:
-                    band = (
-                        torch.arange(hi - lo + window - 1, device=query.device)[None, :]
-                        - torch.arange(hi - lo, device=query.device)[:, None]
-                    )
-                    mask = torch.zeros(band.shape, dtype=query.dtype, device=query.device)
-                    mask = mask.masked_fill_((band < 0) | (band >= window), torch.finfo(query.dtype).min)[None, None]
-                keys = slice(lo, hi + window - 1)
-                out, lse = attend_with_lse(
-                    q_own[:, :, lo:hi], k_window[:, :, keys], v_window[:, :, keys], mask=mask, scale=scaling
-                )
-                parts = [(out, lse, None)]
+            if q_len - exact == 1:  # a decode step sees the whole window: one call
+                parts = [(*attend_with_lse(q_own, k_window, v_window, scale=scaling), None)]
+                blocks = [(0, 1, parts)]
+            else:  # row r sees window keys r .. r + window - 1: key index window - 1 + r is its own
+                blocks = window_parts(q_own, k_window, v_window, window - 1, window, scaling)
+            for lo, hi, parts in blocks:
                 if sinks:
                     parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
                 outputs.append(merge_by_lse(parts).transpose(1, 2))
