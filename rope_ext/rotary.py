@@ -187,7 +187,7 @@ class DynamicRotation:
         seen = q_pos + 1
         if self.method.window_step:
             return torch.where(seen <= window, window, window + 1)
-        g = schedule["granularity"]
+        g = schedule["granularity"] if "granularity" in self.method.schedule else 1  # switches follow each token
         past = torch.div(seen - window + g - 1, g, rounding_mode="floor") * g
         return torch.where(seen <= window, window, window + past)
 

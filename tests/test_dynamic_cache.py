@@ -152,9 +152,18 @@ def test_patch_info_states_what_the_causal_schedule_costs(method):
     assert "schedule_cost" not in rope_ext.patch(random_model(), "yarn", factor=4).notes
 
 
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+def test_the_default_granularity_is_an_eighth_of_the_window_and_says_so(method):
+    info = rope_ext.patch(random_model(), method, factor=4)
+    assert info.params["granularity"] == WINDOW // 8
+    assert f"granularity {WINDOW // 8} (the default, 1/8 of the trained window)" in info.notes["schedule_cost"]
+    explicit = rope_ext.patch(random_model(), method, factor=4, granularity=1)
+    assert explicit.params["granularity"] == 1 and "(the default" not in explicit.notes["schedule_cost"]
+
+
 def test_a_forward_in_many_groups_says_once_what_it_costs(tiny_model):
     model = copy.deepcopy(tiny_model)
-    rope_ext.patch(model, "dynamic", factor=4)
+    rope_ext.patch(model, "dynamic", factor=4, granularity=1)
     x = random_ids(2 * tiny_model.config.max_position_embeddings)
     with pytest.warns(UserWarning, match="dynamic: this forward attends its rows past the trained window in"), torch.no_grad():
         model(x)
@@ -162,12 +171,13 @@ def test_a_forward_in_many_groups_says_once_what_it_costs(tiny_model):
         warnings.simplefilter("error")
         with torch.no_grad():
             model(x)  # once per patch
-    quick = copy.deepcopy(tiny_model)
-    rope_ext.patch(quick, "dynamic", factor=4, granularity=64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with torch.no_grad():
-            quick(x)
+    for settings in ({"granularity": 64}, {}):  # the default: 1/8 of the window, 8 groups here
+        quick = copy.deepcopy(tiny_model)
+        rope_ext.patch(quick, "dynamic", factor=4, **settings)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                quick(x)
     # a set granularity that still makes many groups: the advice counts from it, not from 1
     coarse = copy.deepcopy(tiny_model)
     rope_ext.patch(coarse, "dynamic", factor=4, granularity=2)

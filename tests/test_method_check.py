@@ -137,6 +137,8 @@ SET_TO = {
     "long_factor": lambda pairs: [3.0] * pairs,
     "scales": lambda pairs: [2, 8],
     "inside_window": True,
+    "attn_scale": 0.1,
+    "floor_scale": 32,
 }
 
 

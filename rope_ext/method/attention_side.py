@@ -38,6 +38,9 @@ from rope_ext.geometry import RotaryGeometry
 
 from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, check_query_scales, default_inv_freq
 
+# the schedule as records written before this base held it for every method that keeps keys before rotation
+RECORDED_SCHEDULE = {"causal": True, "granularity": 1}
+
 
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
     """The model's own frequencies, for methods that change attention rather than the rotation."""
@@ -93,14 +96,14 @@ class AttentionMethod(Method):
     def _drop_fixed_schedule(self, params: dict) -> None:
         """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
         fixed = {k: params.pop(k) for k in SCHEDULE_PARAMS if k not in self.schedule and k in params}
-        if all(fixed[k] == SCHEDULE_PARAMS[k] and type(fixed[k]) is type(SCHEDULE_PARAMS[k]) for k in fixed):
+        if all(fixed[k] == RECORDED_SCHEDULE[k] and type(fixed[k]) is type(RECORDED_SCHEDULE[k]) for k in fixed):
             return
         if self.switches:
             raise ValueError(
                 f"{self.name}: granularity does not apply (a query switches to {self.switches} once it has seen more "
                 f"than the trained window); got {fixed['granularity']!r}"
             )
-        shown = {**SCHEDULE_PARAMS, **fixed}
+        shown = {**RECORDED_SCHEDULE, **fixed}
         raise ValueError(
             f"{self.name}: causal and granularity do not apply (every query's positions follow from its own "
             f"position); got causal={shown['causal']!r}, granularity={shown['granularity']!r}"

@@ -57,8 +57,20 @@ FrequencyFn = Callable[..., "tuple[torch.Tensor, float]"]
 # How a dynamic method's length is chosen (read by the rotary module, not by the math):
 # causal=True gives each token the scaling for the length it has seen, so a full forward equals
 # token-by-token decoding; causal=False uses one scaling per forward from its longest position, as
-# transformers does. granularity=g re-scales every g tokens past the window instead of every token.
-SCHEDULE_PARAMS = {"causal": True, "granularity": 1}
+# transformers does. granularity=g re-scales every g tokens past the window instead of every token;
+# None, the default, is 1/GRANULARITY_PARTS of the trained window (`default_granularity`).
+SCHEDULE_PARAMS = {"causal": True, "granularity": None}
+# A forward past the window attends in one group per scaling, each against its whole key prefix, so
+# its cost grows as the number of groups: at granularity 1 a 9216-token prompt over an 8192 window
+# took 70.8 s on an H200 where plain takes 0.1 (docs/gpu.md). At window / 8 a prompt at 4x the
+# window is 24 groups and one at 8x 56 (docs/benchmarks.md, the causal schedule's default); the
+# scaling a row uses is that of a length at most window / 8 past what it has seen.
+GRANULARITY_PARTS = 8
+
+
+def default_granularity(window: int) -> int:
+    return max(1, window // GRANULARITY_PARTS)
+
 
 ROTATIONS = ("static", "attention")
 
@@ -192,6 +204,8 @@ class Method:
                 f"{self.name} attends the queries of a forward in groups by the length each has seen, slicing the "
                 f"attention mask per group, which the {facts.backend} backend's mask does not allow; use sdpa or eager"
             )
+        if "granularity" in self.schedule and params.get("granularity") is None:
+            params = {**params, "granularity": default_granularity(geometry.original_window)}
         return factor, params
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
@@ -216,10 +230,11 @@ class Method:
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
         if not self.follows_length or self.window_step or not params.get("causal", True):
             return {}
-        step = params.get("granularity", 1)
+        step = params["granularity"]
+        chosen = " (the default, 1/8 of the trained window)" if step == default_granularity(geometry.original_window) else ""
         return {
             "schedule_cost": (
-                f"causal schedule, granularity {step}: a forward with R query rows past the trained window attends "
+                f"causal schedule, granularity {step}{chosen}: a forward with R query rows past the trained window attends "
                 f"them in about R / {step} groups, each against its whole key prefix rotated at its own scaling, in "
                 f"every layer, so its time grows as R x length / {step} (docs/architecture.md, the causal schedule's "
                 "cost); its memory stays O(length). A larger granularity divides the groups; decoding is one group "
@@ -283,7 +298,7 @@ def check_factor(factor) -> float:
 def check_schedule(name: str, params: dict) -> None:
     if not isinstance(params["causal"], bool):
         raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
-    if "granularity" in params:
+    if params.get("granularity") is not None:
         params["granularity"] = as_size(params["granularity"], f"{name}: granularity")
 
 
