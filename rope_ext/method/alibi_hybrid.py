@@ -98,7 +98,9 @@ class HybridMethod(Method):
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         """`params` with w resolved (None -> the original window); ValueError, changing nothing,
-        when the heads or the attention backend do not fit."""
+        when the heads or the attention backend do not fit. The rope's schedule resolves as the rope
+        alone would (Method.resolve: its backends, its default granularity)."""
+        factor, params = super().resolve(facts, geometry, factor, params)
         w = geometry.original_window if params["w"] is None else params["w"]
         heads = params["heads"]
         if heads is not None and heads[-1] >= facts.num_heads:
