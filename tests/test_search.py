@@ -241,10 +241,15 @@ def test_a_dpe_search_writes_a_rope_ext_checkpoint_that_restores_its_logits(tiny
     patched = load_llama(tiny_path)
     rope_ext.patch(patched, "dpe", factor=4, scales=best["scales"], window=16)
     restored = rope_ext.from_pretrained(out / CHECKPOINT, dtype=torch.float32).eval()
-    ids = needles(tiny_tokenizer, 512, 1, seed=1000, needle="words")[0].ids
+    held_out = needles(tiny_tokenizer, 512, 10, seed=1000, needle="words")
+    ids = held_out[0].ids
     with torch.no_grad():
         assert torch.equal(restored(ids).logits, patched(ids).logits)
         assert not torch.equal(restored(ids).logits, load_llama(tiny_path)(ids).logits)
+    # the held-out check: the searched scales against dpe's default (one group, SelfExtend's reach)
+    default = load_llama(tiny_path)
+    rope_ext.patch(default, "dpe", factor=4)
+    assert answer_loss(restored, held_out) < answer_loss(default, held_out)
 
 
 def test_a_string_search_resumes_exactly_and_a_tempered_one_records_its_temperature(tiny_path, tmp_path):
