@@ -439,7 +439,10 @@ def search(parser: argparse.ArgumentParser) -> None:
         help="also search Llama 4's query temperature attn_scale in [0, 0.5], for a space whose method takes it (self_extend)",
     )
     parser.add_argument(
-        "--groups", type=int, default=8, help="--space dpe: groups of frequency pairs, one scale each (default 8, the authors')"
+        "--groups",
+        type=int,
+        default=None,
+        help="--space dpe: groups of frequency pairs, one scale each (default 8, the authors')",
     )
     parser.add_argument(
         "--output",

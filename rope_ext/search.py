@@ -46,7 +46,7 @@ from rope_ext.search_space import DPE_GROUPS, Space, build, check_temperature, n
 LOG = "search.jsonl"
 RECORD_KEYS = ("evaluation", "generation", "origin", "loss")
 # what a log written before spaces searched: longrope, its setup line without these
-BEFORE_SPACES = {"space": "longrope", "temperature": False, "groups": DPE_GROUPS}
+BEFORE_SPACES = {"space": "longrope", "temperature": False, "groups": None}
 BEST = "best.json"
 FIGURE = "search.png"
 CHECKPOINT = "checkpoint"
@@ -187,11 +187,8 @@ def reload_delta(model, served, ids: torch.LongTensor, patch: Callable[[], None]
 def setup_of(args: argparse.Namespace) -> dict:
     """What a resumed search must share with the one it continues."""
     keys = ("model", "factor", "length", "samples", "needle", "seed", "population", "dtype", "original_window")
-    return {key: getattr(args, key) for key in keys} | {
-        "space": args.space,
-        "temperature": args.temperature,
-        "groups": args.groups,
-    }
+    groups = (args.groups or DPE_GROUPS) if args.space == "dpe" else None  # the only space they shape
+    return {key: getattr(args, key) for key in keys} | {"space": args.space, "temperature": args.temperature, "groups": groups}
 
 
 def read_log(path: Path) -> tuple[dict, list[dict]]:
@@ -235,7 +232,10 @@ def check(args: argparse.Namespace) -> Path:
         as_size(args.length, "--length", minimum=2)
     if args.original_window is not None:
         as_size(args.original_window, "--original-window")
-    as_size(args.groups, "--groups")
+    if args.groups is not None:
+        if args.space != "dpe":
+            raise ValueError(f"--groups applies to --space dpe (its scales, one per group), not {args.space}")
+        as_size(args.groups, "--groups")
     if args.temperature:
         check_temperature(args.space)
     loading.check_model(args.model, args.device)
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace, folder: Path) -> int:
             f"--length {length} is inside the model's {geometry.original_window}-token window, where longrope uses its "
             "short factors and dpe the trained positions: the search scores maps past the window; give a length past it"
         )
-    space = build(args.space, geometry, args.factor, target, args.temperature, args.groups)
+    space = build(args.space, geometry, args.factor, target, args.temperature, args.groups or DPE_GROUPS)
     prompts = needles(tokenizer, length, args.samples, args.seed, args.needle)
 
     def patch(candidate: dict, **params) -> None:

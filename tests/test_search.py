@@ -150,7 +150,7 @@ def test_a_log_cut_mid_write_resumes_from_its_complete_lines(tmp_path):
     with pytest.warns(UserWarning, match="the last line of .* was cut mid-write; resuming from the 2 complete"):
         setup, records = read_log(log)
     # a setup written before spaces is longrope's
-    assert setup == {"seed": 0, "space": "longrope", "temperature": False, "groups": 8}
+    assert setup == {"seed": 0, "space": "longrope", "temperature": False, "groups": None}
     assert [r["evaluation"] for r in records] == [0, 1]
 
 
@@ -283,7 +283,11 @@ def test_a_resume_refuses_a_log_of_another_space_and_a_temperature_the_method_do
     before = (out / LOG).read_text()
     assert "is a search of the dpe space, not longrope; give --space dpe" in cli_error_line(argv + ["--resume"], capsys)
     assert "is a search of the dpe space, not string" in cli_error_line(argv + ["--resume", "--space", "string"], capsys)
+    assert "other settings (groups)" in cli_error_line(argv + ["--resume", "--space", "dpe", "--groups", "4"], capsys)
     assert (out / LOG).read_text() == before and sorted(p.name for p in out.iterdir()) == [LOG]
     refused = cli_error_line(argv + ["--space", "dpe", "--temperature", "--output", str(tmp_path / "t")], capsys)
     assert "--temperature: dpe does not take the query temperature; the spaces whose method does: self_extend" in refused
     assert not (tmp_path / "t").exists()
+    refused = cli_error_line(argv + ["--space", "string", "--groups", "4", "--output", str(tmp_path / "g")], capsys)
+    assert "--groups applies to --space dpe (its scales, one per group), not string" in refused
+    assert not (tmp_path / "g").exists()
