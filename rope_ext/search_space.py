@@ -126,13 +126,13 @@ class Temperature(Dimension):
     """Llama 4's attn_scale in [0, TEMPERATURE_TOP] on its grid; 0 is no temperature."""
 
     def legal(self, value) -> float:
-        return round(min(max(float(value), 0.0), TEMPERATURE_TOP) / TEMPERATURE_STEP) * TEMPERATURE_STEP
+        return round(round(min(max(float(value), 0.0), TEMPERATURE_TOP) / TEMPERATURE_STEP) * TEMPERATURE_STEP, 2)
 
     def mutate(self, value, rng: random.Random) -> float:
-        return round(self.legal(value + rng.gauss(0, TEMPERATURE_MOVE)), 2)
+        return self.legal(value + rng.gauss(0, TEMPERATURE_MOVE))
 
     def crossover(self, a, b, rng: random.Random) -> float:
-        return round(self.legal((a + b) / 2), 2)
+        return self.legal((a + b) / 2)
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,6 @@ class Space:
     def params(self, candidate: dict) -> dict:
         """The patch parameters of `candidate`."""
         return {**self.fixed, **{d.name: candidate[d.name] for d in self.dimensions}}
-
-    def legal(self, candidate: dict) -> dict:
-        return {d.name: d.legal(candidate[d.name]) for d in self.dimensions}
 
     def mutate(self, candidate: dict, rng: random.Random) -> dict:
         return {d.name: d.mutate(candidate[d.name], rng) for d in self.dimensions}
