@@ -192,10 +192,17 @@ def compare_figure(report: dict):
     return fig
 
 
-def search_figure(records: list[dict], best: list[float], seeds: dict[str, list[float]], model: str):
+SEARCHED = {
+    "long_factor": ("rotated pair i (higher: lower frequency)", "rescale factor lambda_i"),
+    "scales": ("group of frequency pairs g (higher: lower frequency)", "position scale s_g"),
+}
+
+
+def search_figure(records: list[dict], space: str, dimension: str, best, seeds: dict, model: str):
     """`rope-ext search`'s log: each evaluation's answer loss (log axis: PI's and NTK's losses are
     tens of times the best), marked by how the candidate was made, with the best so far; beside
-    it the best factors per rotated pair against the seeds' (YaRN's, PI's, NTK's)."""
+    it the best values of the space's first `dimension` against the seeds' (per pair or group for
+    a list, the loss against the value for a number)."""
     fig, (losses, factors) = plt.subplots(1, 2, figsize=(12, 4.5))
     origins = sorted({r["origin"] for r in records})
     for (marker, _), origin in zip(_styles(), origins):
@@ -209,12 +216,18 @@ def search_figure(records: list[dict], best: list[float], seeds: dict[str, list[
     losses.set(yscale="log", xlabel="evaluation (dotted: a new generation)", ylabel="answer loss (nats / token)")
     losses.xaxis.set_major_locator(MaxNLocator(integer=True))
     losses.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    pairs = range(len(best))
-    for (marker, style), (name, values) in zip(_styles(), seeds.items()):
-        factors.plot(pairs, values, marker=marker, linestyle=style, markersize=3, label=name)
-    factors.plot(pairs, best, color="black", marker="o", markersize=4, label="best found")
-    factors.set(xlabel="rotated pair i (higher: lower frequency)", ylabel="rescale factor lambda_i")
-    factors.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.suptitle(f"{model_name(model)}: LongRoPE-style factor search, {len(records)} evaluations")
+    if dimension in SEARCHED:
+        pairs = range(len(best))
+        for (marker, style), (name, values) in zip(_styles(), seeds.items()):
+            factors.plot(pairs, values, marker=marker, linestyle=style, markersize=3, label=name)
+        factors.plot(pairs, best, color="black", marker="o", markersize=4, label="best found")
+        factors.set(xlabel=SEARCHED[dimension][0], ylabel=SEARCHED[dimension][1])
+        factors.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    else:
+        factors.scatter([r[dimension] for r in records], [r["loss"] for r in records], marker=".", color="grey")
+        factors.axvline(best, color="black", label="best found")
+        factors.set(yscale="log", xlabel=dimension, ylabel="answer loss (nats / token)")
+        factors.legend(fontsize=8)
+    fig.suptitle(f"{model_name(model)}: {space} search, {len(records)} evaluations")
     fig.tight_layout()
     return fig

@@ -410,6 +410,10 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# rope_ext.search_space.SPACES, named here so that --help starts without torch
+SEARCH_SPACES = ("longrope", "dpe", "string", "self_extend")
+
+
 def search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -420,6 +424,25 @@ def search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--factor", type=float, required=True, help="target length over the trained window (> 1)")
     parser.add_argument(
         "--budget-minutes", type=float, required=True, help="minutes of evaluations in this run (a --resume adds its own)"
+    )
+    parser.add_argument(
+        "--space",
+        choices=SEARCH_SPACES,
+        default="longrope",
+        help="what is searched (docs/search.md): longrope's per-pair long_factor, written as transformers' own longrope "
+        "config; dpe's per-group scales (powers of two); string's shift; self_extend's group; the last three written "
+        "as rope-ext checkpoints for rope_ext.from_pretrained (default: longrope)",
+    )
+    parser.add_argument(
+        "--temperature",
+        action="store_true",
+        help="also search Llama 4's query temperature attn_scale in [0, 0.5], for a space whose method takes it (self_extend)",
+    )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="--space dpe: groups of frequency pairs, one scale each (default 8, the authors')",
     )
     parser.add_argument(
         "--output",

@@ -38,7 +38,7 @@ COMMANDS = {
     "search": (
         "rope_ext.search",
         arguments.search,
-        "LongRoPE-style search of per-pair rescale factors; writes a longrope checkpoint",
+        "evolutionary search of a position map (longrope factors, dpe scales, string shift, temperature); writes the best as a checkpoint",
     ),
     "dpe-probe": (
         "rope_ext.dpe_probe",

@@ -1,19 +1,22 @@
-"""`rope-ext search`: LongRoPE's evolutionary search of per-pair rescale factors (docs/search.md),
-scaled down for a CPU, with LongRoPE2's needle-driven score.
+"""`rope-ext search`: one evolutionary search over position maps (docs/search.md), scaled down for
+a CPU, with LongRoPE2's needle-driven score.
 
-A candidate is a `long_factor` list lambda (one entry per rotated pair, non-decreasing, each in
-[1, 1.25 s] on a 0.01 grid, LongRoPE's search space). Its score is the mean cross-entropy of the
-answer tokens of passkey prompts at the target length (the key the prompt hid, after "The pass
-key is"), with the model patched `longrope` at those factors. The first generation is YaRN's,
-PI's and NTK's factors and mutations of YaRN's; each later one mutates and crosses the best
-`population` found so far. Every evaluation is a line of search.jsonl, from which `--resume`
-rebuilds the state: generation g's children follow from the population before g and a generator
-seeded with (seed, g), so a resumed search evaluates what an uninterrupted one would have.
+A candidate is a point of a search space (rope_ext.search_space): a method and the values of its
+declared dimensions, such as longrope's per-pair `long_factor` (LongRoPE's space, the default),
+dpe's group `scales`, string's `shift`, and Llama 4's query temperature for a method that takes
+it. Its score is the mean cross-entropy of the answer tokens of passkey prompts at the target
+length (the key the prompt hid, after "The pass key is"), with the model patched by the space's
+method at the candidate's parameters. The first generation is the space's seeds and mutations of
+one of them; each later one mutates and crosses the best `population` found so far. Every
+evaluation is a line of search.jsonl, from which `--resume` rebuilds the state: generation g's
+children follow from the population before g and a generator seeded with (seed, g), so a resumed
+search evaluates what an uninterrupted one would have.
 
-The result is the base checkpoint patched `longrope` with the best factors (short factors ones),
-saved with `save_pretrained`: config.json carries transformers' own `longrope` rope_parameters,
-so transformers and vLLM serve it from config.json alone, and rope_ext.from_pretrained restores the
-causal schedule (docs/longrope.md)."""
+The result is the base checkpoint patched with the best candidate, saved with `save_pretrained`.
+For longrope config.json carries transformers' own `longrope` rope_parameters, so transformers and
+vLLM serve it from config.json alone, and rope_ext.from_pretrained restores the causal schedule
+(docs/longrope.md); the other spaces' methods have no native form, and their checkpoint is a
+rope-ext one (config.rope_ext) that rope_ext.from_pretrained restores."""
 
 from __future__ import annotations
 
@@ -37,21 +40,19 @@ from rope_ext.arguments import DEFAULT_ROOT
 from rope_ext.evals import loading, output
 from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.method.base import as_size, check_factor, default_inv_freq
-from rope_ext.method.rope import ntk, yarn
+from rope_ext.method.base import as_size, check_factor
+from rope_ext.search_space import DPE_GROUPS, Space, build, check_temperature, names
 
 LOG = "search.jsonl"
-RECORD_KEYS = ("evaluation", "generation", "origin", "long_factor", "loss")
+RECORD_KEYS = ("evaluation", "generation", "origin", "loss")
+# what a log written before spaces searched: longrope, its setup line without these
+BEFORE_SPACES = {"space": "longrope", "temperature": False, "groups": None}
 BEST = "best.json"
 FIGURE = "search.png"
 CHECKPOINT = "checkpoint"
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 NEEDLES = ("digits", "words")
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-STEP = 0.01  # LongRoPE's grid for lambda
-HEADROOM = 1.25  # lambda_i <= 1.25 s, LongRoPE's upper bound
-MUTATION_RATE = 0.3  # the share of pairs a mutation moves
-MUTATION_SCALE = 0.1  # the spread of a move, in log(lambda)
 TRIES = 4  # draws for a child that was not evaluated before
 RELOAD_TOKENS = 64  # the reload check's probe runs this many tokens past the window
 RELOAD_TOLERANCE = 1e-5  # fp32 logits
@@ -98,42 +99,11 @@ def answer_loss(model, prompts: list[Needle]) -> float:
     return sum(losses) / len(losses)
 
 
-def legal(factors, factor: float) -> list[float]:
-    """`factors` clipped to [1, HEADROOM s], made non-decreasing and put on the STEP grid."""
-    top = math.floor(HEADROOM * factor / STEP) * STEP
-    out, floor = [], 1.0
-    for value in factors:
-        floor = max(floor, min(max(float(value), 1.0), top))
-        out.append(round(round(floor / STEP) * STEP, 2))
-    return out
-
-
-def seeds(geometry: RotaryGeometry, factor: float) -> dict[str, list[float]]:
-    """YaRN's, PI's and NTK's frequencies as per-pair factors theta_i / theta_i'."""
-    trained = default_inv_freq(geometry)
-    return {
-        "yarn": legal((trained / yarn(geometry, factor=factor)[0]).tolist(), factor),
-        "pi": legal([factor] * (geometry.rotary_dim // 2), factor),
-        "ntk": legal((trained / ntk(geometry, factor=factor)[0]).tolist(), factor),
-    }
-
-
-def mutate(parent: list[float], factor: float, rng: random.Random) -> list[float]:
-    moved = [v * math.exp(rng.gauss(0, MUTATION_SCALE)) if rng.random() < MUTATION_RATE else v for v in parent]
-    return legal(moved, factor)
-
-
-def crossover(a: list[float], b: list[float], factor: float, rng: random.Random) -> list[float]:
-    return legal([x if rng.random() < 0.5 else y for x, y in zip(a, b)], factor)
-
-
 class Search:
-    """The search's state, rebuilt from its log: every evaluated candidate and its loss."""
+    """The search's state, rebuilt from its log: every evaluated candidate of `space` and its loss."""
 
-    def __init__(
-        self, score: Callable[[list[float]], float], start: dict[str, list[float]], factor: float, population: int, seed: int
-    ):
-        self.score, self.start, self.factor, self.population, self.seed = score, start, factor, population, seed
+    def __init__(self, score: Callable[[dict], float], space: Space, population: int, seed: int):
+        self.score, self.space, self.population, self.seed = score, space, population, seed
         self.records: list[dict] = []
 
     def best(self, before: int | None = None) -> list[dict]:
@@ -141,29 +111,29 @@ class Search:
         chosen = [r for r in self.records if before is None or r["generation"] < before]
         return sorted(chosen, key=lambda r: (r["loss"], r["evaluation"]))[: self.population]
 
-    def children(self, generation: int) -> list[tuple[str, list[float]]]:
+    def children(self, generation: int) -> list[tuple[str, dict]]:
         """Generation `generation`'s candidates, from the population before it and a generator
         seeded with (seed, generation)."""
-        rng = random.Random(f"{self.seed}:{generation}")
+        space, rng = self.space, random.Random(f"{self.seed}:{generation}")
         if generation == 0:
-            found = list(self.start.items())
+            found = list(space.seeds.items())
             while len(found) < self.population:
-                found.append(("mutation", mutate(self.start["yarn"], self.factor, rng)))
+                found.append(("mutation", space.mutate(next(iter(space.seeds.values())), rng)))
             return found
-        parents = [r["long_factor"] for r in self.best(generation)]
+        parents = [space.candidate(r) for r in self.best(generation)]
         elite = parents[: max(2, len(parents) // 2)]
-        seen = {tuple(r["long_factor"]) for r in self.records if r["generation"] < generation}
+        seen = {space.key(space.candidate(r)) for r in self.records if r["generation"] < generation}
         found = []
         for _ in range(self.population):
             for _ in range(TRIES):
                 if rng.random() < 0.5 or len(elite) < 2:
-                    origin, child = "mutation", mutate(rng.choice(elite), self.factor, rng)
+                    origin, child = "mutation", space.mutate(rng.choice(elite), rng)
                 else:
                     a, b = rng.sample(elite, 2)
-                    origin, child = "crossover", crossover(a, b, self.factor, rng)
-                if tuple(child) not in seen:
+                    origin, child = "crossover", space.crossover(a, b, rng)
+                if space.key(child) not in seen:
                     break
-            seen.add(tuple(child))
+            seen.add(space.key(child))
             found.append((origin, child))
         return found
 
@@ -172,13 +142,14 @@ class Search:
         before each evaluation but the first, so that every run evaluates at least once) or
         `max_generations` generations are complete; each evaluation is appended to `log` (a text
         file open for appending) as it ends."""
+        space = self.space
         began, evaluated = time.monotonic(), 0
         generation = max((r["generation"] for r in self.records), default=0)
-        done = {(r["generation"], tuple(r["long_factor"])) for r in self.records}
+        done = {(r["generation"], space.key(space.candidate(r))) for r in self.records}
         bar = tqdm(total=round(budget_s), unit="s", desc="search", disable=not progress)
         while max_generations is None or generation < max_generations:
             for origin, candidate in self.children(generation):
-                if (generation, tuple(candidate)) in done:
+                if (generation, space.key(candidate)) in done:
                     continue
                 if evaluated and time.monotonic() - began >= budget_s:
                     bar.close()
@@ -190,12 +161,12 @@ class Search:
                     "evaluation": len(self.records),
                     "generation": generation,
                     "origin": origin,
-                    "long_factor": candidate,
+                    **candidate,
                     "loss": loss,
                     "seconds": round(time.monotonic() - t0, 3),
                 }
                 self.records.append(record)
-                done.add((generation, tuple(candidate)))
+                done.add((generation, space.key(candidate)))
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 bar.n = min(bar.total, round(time.monotonic() - began))
@@ -205,20 +176,19 @@ class Search:
 
 
 @torch.no_grad()
-def reload_delta(model, checkpoint: Path, ids: torch.LongTensor, patch: Callable[..., None]) -> float:
-    """max |logit difference| in fp32 between plain transformers' load of `checkpoint` (its
-    `longrope` rope_parameters alone) and `model` (the weights saved there) patched by `patch` with
-    `causal=False`, on `ids`: past the window both use the long factors for every row."""
-    served = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval().to(ids.device)
+def reload_delta(model, served, ids: torch.LongTensor, patch: Callable[[], None]) -> float:
+    """max |logit difference| in fp32 between `served` (the checkpoint as loaded) and `model` (the
+    weights saved there) patched by `patch`, on `ids`."""
     model.float()
-    patch(causal=False)
-    return (served(ids).logits - model(ids).logits).abs().max().item()
+    patch()
+    return (served.to(ids.device)(ids).logits - model(ids).logits).abs().max().item()
 
 
 def setup_of(args: argparse.Namespace) -> dict:
     """What a resumed search must share with the one it continues."""
     keys = ("model", "factor", "length", "samples", "needle", "seed", "population", "dtype", "original_window")
-    return {key: getattr(args, key) for key in keys}
+    groups = (args.groups or DPE_GROUPS) if args.space == "dpe" else None  # the only space they shape
+    return {key: getattr(args, key) for key in keys} | {"space": args.space, "temperature": args.temperature, "groups": groups}
 
 
 def read_log(path: Path) -> tuple[dict, list[dict]]:
@@ -238,13 +208,15 @@ def read_log(path: Path) -> tuple[dict, list[dict]]:
                 )
                 break
             raise ValueError(f"{path}: line {number} is not JSON ({err}); the log is damaged, start another --output") from None
-    if not lines or not isinstance(lines[0], dict) or "setup" not in lines[0]:
+    if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("setup"), dict):
         raise ValueError(f"{path} does not start with a search's setup line")
+    setup = BEFORE_SPACES | lines[0]["setup"]
+    keys = RECORD_KEYS + names(setup["space"], setup["temperature"])
     for number, record in enumerate(lines[1:], 2):
-        missing = [key for key in RECORD_KEYS if not isinstance(record, dict) or key not in record]
+        missing = [key for key in keys if not isinstance(record, dict) or key not in record]
         if missing:
             raise ValueError(f"{path}: line {number} is not an evaluation (no {', '.join(missing)}); the log is damaged")
-    return lines[0]["setup"], lines[1:]
+    return setup, lines[1:]
 
 
 def check(args: argparse.Namespace) -> Path:
@@ -260,6 +232,12 @@ def check(args: argparse.Namespace) -> Path:
         as_size(args.length, "--length", minimum=2)
     if args.original_window is not None:
         as_size(args.original_window, "--original-window")
+    if args.groups is not None:
+        if args.space != "dpe":
+            raise ValueError(f"--groups applies to --space dpe (its scales, one per group), not {args.space}")
+        as_size(args.groups, "--groups")
+    if args.temperature:
+        check_temperature(args.space)
     loading.check_model(args.model, args.device)
     folder = Path(args.output or Path(DEFAULT_ROOT) / f"search-{time.strftime('%Y%m%d-%H%M%S')}")
     if folder.exists() and not folder.is_dir():
@@ -276,6 +254,11 @@ def check(args: argparse.Namespace) -> Path:
         if not log.is_file():
             raise ValueError(f"--resume: {log} does not exist; start the search without --resume")
         setup, _ = read_log(log)
+        if setup["space"] != args.space:
+            raise ValueError(
+                f"--resume: {log} is a search of the {setup['space']} space, not {args.space}; give --space {setup['space']} "
+                "or another --output"
+            )
         if setup != setup_of(args):
             changed = sorted(k for k in setup_of(args) if setup.get(k) != setup_of(args)[k])
             raise ValueError(f"--resume: {log} was written with other settings ({', '.join(changed)}); give the same ones")
@@ -289,27 +272,34 @@ def run(args: argparse.Namespace, folder: Path) -> int:
     record = output.provenance(model, args.model)
     probe = rope_ext.patch(model, "linear", factor=args.factor, original_window=args.original_window)
     geometry = RotaryGeometry(probe.rotary_dim, probe.base, probe.original_window, probe.layout, probe.head_dim)
-    length = args.length or math.ceil(geometry.original_window * args.factor)
+    target = math.ceil(geometry.original_window * args.factor)
+    length = args.length or target
     if length <= geometry.original_window:
-        # the long factors act only on a forward past the window: every candidate would score alike
+        # every space's maps act past the window (longrope's long factors, dpe's and self_extend's
+        # scales) or there sets what the patch is for (string's shift): inside it the search
+        # would score the unpatched model, or a map meant for other lengths
         raise ValueError(
             f"--length {length} is inside the model's {geometry.original_window}-token window, where longrope uses its "
-            "short factors: the search would score every candidate the same; give a length past the window"
+            "short factors and dpe the trained positions: the search scores maps past the window; give a length past it"
         )
+    space = build(args.space, geometry, args.factor, target, args.temperature, args.groups or DPE_GROUPS)
     prompts = needles(tokenizer, length, args.samples, args.seed, args.needle)
 
-    def patch(long_factor: list[float], **params) -> None:
+    def patch(candidate: dict, **params) -> None:
         rope_ext.patch(
-            model, "longrope", factor=args.factor, long_factor=long_factor, original_window=geometry.original_window, **params
+            model,
+            space.method,
+            factor=args.factor,
+            original_window=geometry.original_window,
+            **space.params(candidate),
+            **params,
         )
 
-    def score(long_factor: list[float]) -> float:
-        # causal=False: one group per forward; the answer rows lie past the window, where both
-        # schedules use the long factors for every key
-        patch(long_factor, causal=False)
+    def score(candidate: dict) -> float:
+        patch(candidate, **space.scoring)
         return answer_loss(model, prompts)
 
-    search = Search(score, seeds(geometry, args.factor), args.factor, args.population, args.seed)
+    search = Search(score, space, args.population, args.seed)
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG
     if args.resume:
@@ -320,27 +310,40 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         log_path.write_text(json.dumps({"setup": setup_of(args)}) + "\n")
     print(
         f"search: {len(prompts)} passkey prompts ({args.needle}) of {length} tokens, window {geometry.original_window} x{args.factor:g}, "
-        f"{geometry.rotary_dim // 2} factors, population {args.population}, budget {args.budget_minutes:g} min"
-        + (f", resuming after {len(search.records)} evaluations" if search.records else "")
+        f"space {space.name} ({', '.join(d.name for d in space.dimensions)}), population {args.population}, "
+        f"budget {args.budget_minutes:g} min" + (f", resuming after {len(search.records)} evaluations" if search.records else "")
     )
     with open(log_path, "a", encoding="utf-8") as log:
         search.run(args.budget_minutes * 60, log, args.generations, progress=not args.no_progress)
     best = search.best()[0]
-    starts = {r["origin"]: r["loss"] for r in search.records if r["generation"] == 0 and r["origin"] in search.start}
-    patch(best["long_factor"])
+    found = space.candidate(best)
+    starts = {r["origin"]: r["loss"] for r in search.records if r["generation"] == 0 and r["origin"] in space.seeds}
+    patch(found)
     model.save_pretrained(folder / CHECKPOINT)
     tokenizer.save_pretrained(folder / CHECKPOINT)
     probe = prompts[0].ids[:, : geometry.original_window + RELOAD_TOKENS].to(next(model.parameters()).device)
-    delta = reload_delta(model, folder / CHECKPOINT, probe, lambda **params: patch(best["long_factor"], **params))
+    if space.native:
+        # plain transformers' rope_parameters alone: past the window the long factors for every row,
+        # as the one-set-per-forward patch gives them
+        served = AutoModelForCausalLM.from_pretrained(folder / CHECKPOINT, dtype=torch.float32).eval()
+        loader, scoring = "plain transformers' load", space.scoring
+    else:
+        served = rope_ext.from_pretrained(folder / CHECKPOINT, dtype=torch.float32).eval()
+        loader, scoring = "rope_ext.from_pretrained", {}
+    delta = reload_delta(model, served, probe, lambda: patch(found, **scoring))
     if delta > RELOAD_TOLERANCE:
+        consequence = "an engine serving it from config.json" if space.native else "the restored checkpoint"
         warnings.warn(
-            f"plain transformers' load of {folder / CHECKPOINT} differs from rope-ext's longrope patch by {delta:.3g} "
-            f"(fp32 logits, {probe.shape[1]} tokens; tolerance {RELOAD_TOLERANCE:g}): an engine serving it from "
-            "config.json does not compute what the search scored",
+            f"{loader} of {folder / CHECKPOINT} differs from rope-ext's {space.method} patch by {delta:.3g} "
+            f"(fp32 logits, {probe.shape[1]} tokens; tolerance {RELOAD_TOLERANCE:g}): {consequence} does not compute "
+            "what the search scored",
             stacklevel=2,
         )
     result = {
-        "long_factor": best["long_factor"],
+        "space": space.name,
+        "method": space.method,
+        **found,
+        "params": space.params(found),
         "loss": best["loss"],
         "evaluation": best["evaluation"],
         "seed_losses": starts,
@@ -349,16 +352,19 @@ def run(args: argparse.Namespace, folder: Path) -> int:
         "factor": args.factor,
         "original_window": geometry.original_window,
         "checkpoint": str(folder / CHECKPOINT),
-        "reload": {"tokens": probe.shape[1], "max_abs_delta": delta},
+        "reload": {"loader": loader, "tokens": probe.shape[1], "max_abs_delta": delta},
         "provenance": record,
     }
     results = output.ResultFolder(folder, "search", [BEST, FIGURE], overwrite=True)  # a resumed search rewrites both
     results.write_json(BEST, result)
     from rope_ext.evals.plots import search_figure
 
-    results.save_figure(FIGURE, search_figure(search.records, best["long_factor"], search.start, record["model"]))
+    first = space.dimensions[0].name
+    seeds = {name: seed[first] for name, seed in space.seeds.items()}
+    results.save_figure(FIGURE, search_figure(search.records, space.name, first, found[first], seeds, record["model"]))
+    start = next(iter(space.seeds))
     print(
-        f"best answer loss {best['loss']:.4f} (yarn's factors: {starts.get('yarn', float('nan')):.4f}); checkpoint {folder / CHECKPOINT}; "
-        f"plain transformers reloads it within {delta:.3g} of the patch (fp32 logits, {probe.shape[1]} tokens)"
+        f"best answer loss {best['loss']:.4f} (seed {start}: {starts.get(start, float('nan')):.4f}); checkpoint "
+        f"{folder / CHECKPOINT}; {loader} restores it within {delta:.3g} of the patch (fp32 logits, {probe.shape[1]} tokens)"
     )
     return 0

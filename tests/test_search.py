@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 import rope_ext
 from rope_ext import cli
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, crossover, legal, mutate, needles, read_log, seeds
+from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, needles, read_log
+from rope_ext.search_space import build
 
 from helpers import cli_error_line, load_llama
 
@@ -148,7 +149,9 @@ def test_a_log_cut_mid_write_resumes_from_its_complete_lines(tmp_path):
     log.write_text("\n".join(lines) + "\n" + lines[2][:17])
     with pytest.warns(UserWarning, match="the last line of .* was cut mid-write; resuming from the 2 complete"):
         setup, records = read_log(log)
-    assert setup == {"seed": 0} and [r["evaluation"] for r in records] == [0, 1]
+    # a setup written before spaces is longrope's
+    assert setup == {"seed": 0, "space": "longrope", "temperature": False, "groups": None}
+    assert [r["evaluation"] for r in records] == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -169,20 +172,122 @@ def test_a_damaged_log_is_refused_naming_the_line(no_model, tmp_path, capsys, da
     assert message in cli_error_line(argv, capsys)
 
 
+def grown(space, rounds: int = 50) -> list[dict]:
+    """The seeds of `space` and `rounds` mutations and crossovers of what was found so far."""
+    rng = random.Random(0)
+    found = list(space.seeds.values())
+    for _ in range(rounds):
+        found.append(space.mutate(rng.choice(found), rng))
+        found.append(space.crossover(rng.choice(found), rng.choice(found), rng))
+    return found
+
+
 def test_candidates_stay_in_the_search_space():
     """Non-decreasing, in [1, 1.25 s], on the 0.01 grid: the seeds, mutations and crossovers."""
-    geometry = RotaryGeometry(64, 10000.0, 8192)
-    start = seeds(geometry, 4.0)
-    rng = random.Random(0)
-    found = list(start.values())
-    for _ in range(50):
-        found.append(mutate(rng.choice(found), 4.0, rng))
-        found.append(crossover(rng.choice(found), rng.choice(found), 4.0, rng))
-    for factors in found:
+    space = build("longrope", RotaryGeometry(64, 10000.0, 8192), 4.0, 32768, temperature=False, groups=8)
+    for candidate in grown(space):
+        factors = candidate["long_factor"]
         assert len(factors) == 32
         assert all(a <= b for a, b in zip(factors, factors[1:]))
         assert 1.0 <= factors[0] and factors[-1] <= 5.0
         assert all(math.isclose(v * 100, round(v * 100), abs_tol=1e-9) for v in factors)
-    assert start["pi"] == [4.0] * 32
-    assert start["yarn"][0] == 1.0 and start["yarn"][-1] == 4.0
-    assert legal([0.5, 3.0, 2.0, 9.0], 4.0) == [1.0, 3.0, 3.0, 5.0]
+    start = space.seeds
+    assert list(start) == ["yarn", "pi", "ntk"]
+    assert start["pi"]["long_factor"] == [4.0] * 32
+    assert start["yarn"]["long_factor"][0] == 1.0 and start["yarn"]["long_factor"][-1] == 4.0
+    assert space.dimensions[0].legal([0.5, 3.0, 2.0, 9.0]) == [1.0, 3.0, 3.0, 5.0]
+
+
+def test_the_new_spaces_keep_their_candidates_legal_and_seed_the_published_settings():
+    """dpe: 8 powers of two in [1, 4 x the uniform reach scale], in any order; string: whole
+    shifts in (local, N/2]; the temperature on its 0.01 grid in [0, 0.5]; each space's first seed
+    is the method's default or the published setting."""
+    geometry = RotaryGeometry(128, 500000.0, 8192)  # Llama-3-8B's shape
+    dpe = build("dpe", geometry, 16.0, 131072, temperature=False, groups=8)
+    # at the authors' own length the preset is their published scales, and the uniform one 32
+    assert dpe.seeds == {"uniform": {"scales": [32] * 8}, "preset": {"scales": [4, 4, 2, 16, 32, 32, 16, 128]}}
+    assert dpe.fixed == {"window": 1024}
+    orders = set()
+    for candidate in grown(dpe):
+        scales = candidate["scales"]
+        assert len(scales) == 8 and all(1 <= s <= 128 and s & (s - 1) == 0 for s in scales)
+        orders.add(scales == sorted(scales))
+    assert orders == {True, False}
+    string = build("string", geometry, 4.0, 32768, temperature=False, groups=8)
+    assert list(string.seeds.values())[0] == {"shift": int(0.33 * 32768)} and string.fixed == {"local": 128}
+    shifts = {c["shift"] for c in grown(string)}
+    assert all(isinstance(s, int) and 128 < s <= 16384 for s in shifts) and len(shifts) > 10
+    tempered = build("self_extend", geometry, 4.0, 32768, temperature=True, groups=8)
+    assert [d.name for d in tempered.dimensions] == ["group", "attn_scale"]
+    assert tempered.seeds["authors+scout"]["attn_scale"] == 0.1
+    assert all(s["attn_scale"] == 0.0 for name, s in tempered.seeds.items() if name != "authors+scout")
+    temperatures = {c["attn_scale"] for c in grown(tempered)}
+    assert all(0.0 <= t <= 0.5 and t == round(t, 2) for t in temperatures) and len(temperatures) > 5
+    with pytest.raises(ValueError, match="--groups 3 does not divide"):
+        build("dpe", geometry, 4.0, 32768, temperature=False, groups=3)
+
+
+def test_a_dpe_search_writes_a_rope_ext_checkpoint_that_restores_its_logits(tiny_path, tiny_tokenizer, tmp_path):
+    out = tmp_path / "dpe"
+    argv = search(tiny_path, out, "--space", "dpe", "--budget-minutes", "5", "--generations", "2", "--population", "4")
+    assert cli.main(argv + ["--samples", "2"]) == 0
+    best = json.loads((out / BEST).read_text())
+    records = logged(out)
+    assert [r["origin"] for r in records[:2]] == ["uniform", "preset"] and all("scales" in r for r in records)
+    assert best["space"] == "dpe" and min(r["loss"] for r in records) == best["loss"]
+    assert best["reload"]["loader"] == "rope_ext.from_pretrained" and best["reload"]["max_abs_delta"] == 0
+    config = json.loads((out / CHECKPOINT / "config.json").read_text())
+    assert config["rope_ext"]["method"] == "dpe" and config["rope_ext"]["params"]["scales"] == best["scales"]
+    patched = load_llama(tiny_path)
+    rope_ext.patch(patched, "dpe", factor=4, scales=best["scales"], window=16)
+    restored = rope_ext.from_pretrained(out / CHECKPOINT, dtype=torch.float32).eval()
+    held_out = needles(tiny_tokenizer, 512, 10, seed=1000, needle="words")
+    ids = held_out[0].ids
+    with torch.no_grad():
+        assert torch.equal(restored(ids).logits, patched(ids).logits)
+        assert not torch.equal(restored(ids).logits, load_llama(tiny_path)(ids).logits)
+    # the held-out check: the searched scales against dpe's default (one group, SelfExtend's reach)
+    default = load_llama(tiny_path)
+    rope_ext.patch(default, "dpe", factor=4)
+    assert answer_loss(restored, held_out) < answer_loss(default, held_out)
+
+
+def test_a_string_search_resumes_exactly_and_a_tempered_one_records_its_temperature(tiny_path, tmp_path):
+    small = ["--population", "4", "--samples", "1", "--length", "200", "--budget-minutes", "10", "--space", "string"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert cli.main(search(tiny_path, whole, *small, "--generations", "3")) == 0
+    assert cli.main(search(tiny_path, split, *small, "--generations", "1")) == 0
+    assert cli.main(search(tiny_path, split, *small, "--generations", "3", "--resume")) == 0
+    strip = lambda records: [{k: v for k, v in r.items() if k != "seconds"} for r in records]  # noqa: E731
+    assert strip(logged(split)) == strip(logged(whole)) and {r["generation"] for r in logged(whole)} == {0, 1, 2}
+    assert len({r["shift"] for r in logged(whole)}) == len(logged(whole))
+
+    tempered = tmp_path / "tempered"
+    argv = ["--population", "4", "--samples", "1", "--length", "200", "--budget-minutes", "10", "--generations", "2"]
+    assert cli.main(search(tiny_path, tempered, *argv, "--space", "self_extend", "--temperature")) == 0
+    best = json.loads((tempered / BEST).read_text())
+    assert {r["attn_scale"] for r in logged(tempered)} > {0.0, 0.1}
+    config = json.loads((tempered / CHECKPOINT / "config.json").read_text())
+    assert config["rope_ext"]["params"]["attn_scale"] == best["attn_scale"]
+    assert config["rope_ext"]["params"]["group"] == best["group"] and best["reload"]["max_abs_delta"] == 0
+
+
+def test_a_resume_refuses_a_log_of_another_space_and_a_temperature_the_method_does_not_take(no_model, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "o"
+    out.mkdir()
+    argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
+    setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
+    setup = {**setup, "population": 16, "dtype": "auto", "original_window": None, "space": "dpe", "temperature": False}
+    (out / LOG).write_text(json.dumps({"setup": {**setup, "groups": 8}}) + "\n")
+    before = (out / LOG).read_text()
+    assert "is a search of the dpe space, not longrope; give --space dpe" in cli_error_line(argv + ["--resume"], capsys)
+    assert "is a search of the dpe space, not string" in cli_error_line(argv + ["--resume", "--space", "string"], capsys)
+    assert "other settings (groups)" in cli_error_line(argv + ["--resume", "--space", "dpe", "--groups", "4"], capsys)
+    assert (out / LOG).read_text() == before and sorted(p.name for p in out.iterdir()) == [LOG]
+    refused = cli_error_line(argv + ["--space", "dpe", "--temperature", "--output", str(tmp_path / "t")], capsys)
+    assert "--temperature: dpe does not take the query temperature; the spaces whose method does: self_extend" in refused
+    assert not (tmp_path / "t").exists()
+    refused = cli_error_line(argv + ["--space", "string", "--groups", "4", "--output", str(tmp_path / "g")], capsys)
+    assert "--groups applies to --space dpe (its scales, one per group), not string" in refused
+    assert not (tmp_path / "g").exists()
