@@ -39,11 +39,13 @@ from rope_ext.shipped import (
 from .base import FamilyAdapter, unwrap
 from .probe import (
     ATTENTION_REFUSAL,
+    PROBE_LENGTH,
     REASONS,
     Refused,
     Structure,
     attention_scaling,
     formatted,
+    keys_at,
     probe,
     rotary_call,
     sub_config,
@@ -178,24 +180,29 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
     return all(torch.equal(a, b) for theirs, ours in outputs for a, b in zip(theirs, ours))
 
 
-# Config fields that declare attention over a selection of keys shorter than the sequence: a chunk
-# (Llama 4's attention_chunk_size), the top-k of an indexer (DeepSeek-V3.2's index_topk; Qwen4-Exp's
-# indexer_budget blocks of indexer_compress_ratio tokens). The probe's forward of a few tokens sits
-# inside any of them, so what it proves of attention says nothing past them.
-KEY_SELECTION = {"attention_chunk_size": None, "index_topk": None, "indexer_budget": "indexer_compress_ratio"}
+# Config fields that declare attention over fewer keys than the sequence: a sliding window, a
+# chunk (Llama 4's attention_chunk_size), the top-k of an indexer (DeepSeek-V3.2's index_topk;
+# Qwen4-Exp's indexer_budget blocks of indexer_compress_ratio tokens). The probe's forward of a few
+# tokens sits inside any of them; a patch meant for more tokens than one of them is proven past it
+# (LlamaFamily.check_keys_past).
+HIDING_SIZES = {"attention_chunk_size": None, "index_topk": None, "indexer_budget": "indexer_compress_ratio"}
 
 
-def key_selection(config) -> tuple[str, int] | None:
-    """(field, tokens) of the smallest key selection `config` sets among the fields its class
-    declares (a field set on a config whose architecture has none is not read), or None."""
+def hiding_sizes(config) -> dict[str, int]:
+    """field -> tokens, for each size `config` declares among the fields its class declares (a
+    field set on a config whose architecture has none is not read), and its `sliding_window` where
+    a layer uses it (every layer, without `layer_types`)."""
     declared = {name for cls in type(config).__mro__ for name in getattr(cls, "__annotations__", {})}
-    found = []
-    for key, unit in KEY_SELECTION.items():
+    found = {}
+    for key, unit in HIDING_SIZES.items():
         size = getattr(config, key, None) if key in declared else None
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             per = getattr(config, unit, None) if unit else None
-            found.append((key, size * (per or 1)))
-    return min(found, key=lambda item: item[1], default=None)
+            found[key] = size * (per or 1)
+    window, layer_types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if isinstance(window, int) and window > 0 and (layer_types is None or "sliding_attention" in layer_types):
+        found["sliding_window"] = window
+    return found
 
 
 def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
@@ -457,6 +464,33 @@ class LlamaFamily(FamilyAdapter):
             }
         return found
 
+    @staticmethod
+    def check_keys_past(site: RotarySite, method: str, max_length: int) -> None:
+        """For a method that computes attention itself over every key it places: past every size
+        below max_length its config declares (hiding_sizes), up to max_length, a forward must show
+        each query every earlier key, or in a sliding window the config's window; else ValueError."""
+        sizes = {key: size for key, size in hiding_sizes(site.config).items() if size < max_length}
+        if not sizes:
+            return
+        length = min(max_length, max(sizes.values()) + PROBE_LENGTH)
+        declared = ", ".join(f"{key} {size}" for key, size in sizes.items())
+        try:
+            seen = keys_at(site.model, length)
+        except Refused as err:
+            raise ValueError(
+                f"{method}: the model's keys at {length} tokens, past its config's {declared}, cannot be seen: {err}"
+            ) from None
+        window = sizes.get("sliding_window")
+        hidden = [(name, keys) for name, keys in seen if keys is False or (keys is not None and keys != window)]
+        if hidden:
+            name, keys = hidden[0]
+            what = f"all but the last {keys} keys" if keys else "keys other than later ones or a sliding window's"
+            raise ValueError(
+                f"{method}: the model's attention selects keys: at {length} tokens, past its config's {declared}, "
+                f"`{name}` (and {len(hidden) - 1} other calls) hides {what}, which {method} would not keep, since it "
+                "computes attention itself over every key it places; methods that change the rotary module's output apply"
+            )
+
     def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
         (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
@@ -473,15 +507,8 @@ class LlamaFamily(FamilyAdapter):
         if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
             found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
             raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
-        selection = key_selection(site.config)
-        if isinstance(rotary.method, AttentionMethod) and selection is not None and selection[1] < max_length:
-            key, size = selection
-            raise ValueError(
-                f"{rotary.method.name}: the model's attention selects keys (config {key}: {size} tokens), fewer than the "
-                f"{max_length} the patch is meant for; the probe's short forward cannot see that selection, and "
-                f"{rotary.method.name}, which computes attention itself over every key it places, would not keep it; "
-                "methods that change the rotary module's output apply"
-            )
+        if isinstance(rotary.method, AttentionMethod):
+            self.check_keys_past(site, rotary.method.name, max_length)
         if (current := self.installed(site)) is not None:
             current.retire_caches()
             self._detach(site)

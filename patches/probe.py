@@ -315,6 +315,62 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
     return mine.shape == theirs.shape and torch.allclose(mine, theirs, rtol=PLAIN_TOLERANCE, atol=PLAIN_TOLERANCE)
 
 
+class _Keys:
+    """An attention function that records which keys each call's mask lets each query see
+    (`keys_seen`), then attends as the probe's backend does."""
+
+    def __init__(self, base: str):
+        self.base, self.calls = base, []
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        self.calls.append((module, keys_seen(attention_mask, query.shape[-2], key.shape[-2])))
+        return backend(module, self.base)(module, query, key, value, attention_mask, **kwargs)
+
+
+def keys_seen(mask: torch.Tensor | None, q_len: int, k_len: int) -> int | None | bool:
+    """What an attention mask lets the queries (the last q_len positions of k_len) see, alike in
+    every row and head: None, every earlier key and itself; w, the last w of them (transformers'
+    sliding window of w tokens: key j for query i where i - w < j <= i); False, anything else (a
+    chunk, a key selection, padding, a bias)."""
+    if mask is None:
+        return None
+    mask = mask[..., :k_len]
+    if mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask == 0
+        if not bool((mask[~allowed] == torch.finfo(mask.dtype).min).all()):
+            return False
+    allowed = allowed.expand(*allowed.shape[:-2], q_len, k_len).reshape(-1, q_len, k_len)
+    if not bool((allowed == allowed[:1]).all()):
+        return False
+    allowed = allowed[0]
+    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=allowed.device).tril(k_len - q_len)
+    if torch.equal(allowed, causal):
+        return None
+    width = int(allowed[-1].sum())
+    band = causal & ~torch.ones_like(causal).tril(k_len - q_len - width)
+    return width if width > 0 and torch.equal(allowed, band) else False
+
+
+def keys_at(model: nn.Module, length: int) -> list[tuple[str, int | None | bool]]:
+    """Each attention call of a forward of `length` tokens, as (module name, `keys_seen` of its
+    mask): what the probe's forward of PROBE_LENGTH tokens cannot show past a window, a chunk or a
+    key selection longer than it. Refused("forward") when the model does not run at that length."""
+    config = model.config
+    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
+    device = next(model.parameters()).device
+    ids = (torch.arange(length, device=device) * 7 + 3) % vocab
+    capture, training = _Keys(PROBE_BACKEND), model.training
+    model.eval()
+    try:
+        _run(model, ids[None], capture, None)
+    finally:
+        model.train(training)
+    names = {id(module): name for name, module in model.named_modules()}
+    return [(names[id(module)], seen) for module, seen in capture.calls]
+
+
 def _tensors(output) -> list[torch.Tensor]:
     if torch.is_tensor(output):
         return [output.detach().clone()]

@@ -410,6 +410,29 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def needle_prompt_arguments(parser: argparse.ArgumentParser, seeds: str) -> None:
+    """The passkey prompts a command scores its settings on (search, dpe-probe), and the model's
+    window, dtype and device; `seeds`: what --seed seeds."""
+    parser.add_argument(
+        "--needle",
+        choices=("digits", "words"),
+        default="digits",
+        help="how the prompts spell the key: digits, or each digit's English name for a model that saw few digits (default: digits)",
+    )
+    parser.add_argument(
+        "--length", type=int, default=None, help="prompt length in tokens (default: the trained window x --factor)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help=f"seed of {seeds} (default 0)")
+    parser.add_argument(
+        "--original-window",
+        type=int,
+        default=None,
+        help="the pretraining window, for checkpoints whose config does not record it",
+    )
+    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES), help="weights and activations dtype (default: auto)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+
+
 # rope_ext.search_space.SPACES, named here so that --help starts without torch
 SEARCH_SPACES = ("longrope", "dpe", "string", "self_extend")
 
@@ -453,25 +476,8 @@ def search(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the search logged in --output/search.jsonl")
     parser.add_argument("--population", type=int, default=16, help="candidates kept per generation (default 16)")
     parser.add_argument("--samples", type=int, default=4, help="passkey prompts each candidate is scored on (default 4)")
-    parser.add_argument(
-        "--needle",
-        choices=("digits", "words"),
-        default="digits",
-        help="how the prompts spell the key: digits, or each digit's English name for a model that saw few digits (default: digits)",
-    )
     parser.add_argument("--generations", type=int, default=None, help="stop after this many generations (default: the budget)")
-    parser.add_argument(
-        "--length", type=int, default=None, help="prompt length in tokens (default: the trained window x --factor)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' keys and of the search (default 0)")
-    parser.add_argument(
-        "--original-window",
-        type=int,
-        default=None,
-        help="the pretraining window, for checkpoints whose config does not record it",
-    )
-    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES), help="weights and activations dtype (default: auto)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    needle_prompt_arguments(parser, seeds="the prompts' keys and of the search")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -505,22 +511,5 @@ def dpe_probe(parser: argparse.ArgumentParser) -> None:
         help="scale from position W on, inside the trained window too, as the authors' code (default: past the trained window)",
     )
     parser.add_argument("--samples", type=int, default=10, help="passkey prompts per setting (default 10)")
-    parser.add_argument(
-        "--needle",
-        choices=("digits", "words"),
-        default="digits",
-        help="how the prompts spell the key: digits, or each digit's English name (default: digits)",
-    )
-    parser.add_argument(
-        "--length", type=int, default=None, help="prompt length in tokens (default: the trained window x --factor)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' keys (default 0)")
-    parser.add_argument(
-        "--original-window",
-        type=int,
-        default=None,
-        help="the pretraining window, for checkpoints whose config does not record it",
-    )
-    parser.add_argument("--dtype", default=AUTO, choices=(AUTO, *DTYPES), help="weights and activations dtype (default: auto)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available, else cpu)")
+    needle_prompt_arguments(parser, seeds="the prompts' keys")
     output_arguments(parser)

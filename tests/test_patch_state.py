@@ -209,34 +209,83 @@ def test_a_peft_adapter_folder_without_the_patch_is_refused_naming_the_remedy(tm
 @pytest.mark.parametrize(
     "model_type, overrides, expected",
     [
-        ("llama4_text", {"attention_chunk_size": 32}, ("attention_chunk_size", 32)),
-        ("deepseek_v32", {"index_topk": 48}, ("index_topk", 48)),
-        ("qwen4_exp_text", {}, ("indexer_budget", 8)),  # the census's 4 blocks of 2 tokens
+        ("llama4_text", {"attention_chunk_size": 32}, {"attention_chunk_size": 32}),
+        ("deepseek_v32", {"index_topk": 48}, {"index_topk": 48}),
+        ("qwen4_exp_text", {}, {"indexer_budget": 8}),  # the census's 4 blocks of 2 tokens
+        ("mistral", {"sliding_window": 32}, {"sliding_window": 32}),
+        ("gemma3_text", {"sliding_window": 32, "layer_types": ["full_attention"] * 2}, {}),
     ],
 )
-def test_the_key_selection_a_config_declares_is_read_from_the_fields_of_its_class(model_type, overrides, expected):
+def test_the_sizes_a_config_declares_are_read_from_the_fields_of_its_class(model_type, overrides, expected):
     """A chunk or an indexer's top-k: read where the architecture's config class declares the field,
-    not where a config merely carries it."""
+    not where a config merely carries it; a sliding window where a layer uses it."""
     from census_configs import config_for
     from transformers import LlamaConfig
 
-    from rope_ext.patches.llama import key_selection
+    from rope_ext.patches.llama import hiding_sizes
 
-    assert key_selection(config_for(model_type, **overrides)) == expected
-    assert key_selection(LlamaConfig(attention_chunk_size=32, index_topk=48)) is None
+    assert hiding_sizes(config_for(model_type, **overrides)) == expected
+    assert hiding_sizes(LlamaConfig(attention_chunk_size=32, index_topk=48)) == {}
+
+
+def chunked(monkeypatch, chunk: int):
+    """A LLaMA that attends in chunks of `chunk` tokens, as Llama 4's chunked layers do, and whose
+    config declares it."""
+    from transformers import masking_utils
+    from transformers.models.llama import modeling_llama
+
+    from rope_ext.patches import llama
+
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", masking_utils.create_chunked_causal_mask)
+    monkeypatch.setattr(llama, "hiding_sizes", lambda config: {"attention_chunk_size": chunk})
+    model = random_model()
+    model.config.attention_chunk_size = chunk
+    return model
 
 
 @pytest.mark.parametrize("method", ["self_extend", "rerope", "string", "dca", "sink_window"])
-def test_a_key_selection_shorter_than_the_patch_refuses_the_methods_that_compute_attention(method, monkeypatch):
-    """The probe's few tokens sit inside a chunk or a top-k: the methods that attend themselves are
-    refused at patch(), changing nothing; the static ones apply. (A LLaMA made to declare a chunk
-    of 32 tokens, as Llama 4's config does.)"""
-    from rope_ext.patches import llama
-
-    monkeypatch.setattr(llama, "key_selection", lambda config: ("attention_chunk_size", 32))
-    model = random_model()
+def test_a_chunk_shorter_than_the_patch_refuses_the_methods_that_compute_attention(method, monkeypatch):
+    """The probe's few tokens sit inside a chunk: past it, a forward at the chunk plus PROBE_LENGTH
+    tokens sees the keys each query is denied, and the methods that attend themselves are refused
+    at patch(), changing nothing; the static ones apply."""
+    model = chunked(monkeypatch, WINDOW // 2)
     before = model.config.to_dict()
-    with pytest.raises(ValueError, match=r"the model's attention selects keys \(config attention_chunk_size: 32 tokens\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the model's attention selects keys: at 40 tokens, past its config's attention_chunk_size 32, .* hides keys",
+    ):
         rope_ext.patch(model, method, factor=4)
     assert model.config.to_dict() == before and rope_ext.describe(model) is None
     assert rope_ext.patch(model, "yarn", factor=4).native is not None
+
+
+def test_a_declared_chunk_the_model_does_not_apply_is_proven_past_and_patched(monkeypatch):
+    """A config that declares a chunk the model's attention never applies: the forward past it shows
+    every earlier key, so the patch proceeds, exact inside the window."""
+    from rope_ext.patches import llama
+
+    monkeypatch.setattr(llama, "hiding_sizes", lambda config: {"attention_chunk_size": WINDOW // 2})
+    model = random_model()
+    x = random_ids(WINDOW, seed=3)
+    before = logits(model, x)
+    assert rope_ext.patch(model, "self_extend", factor=4).method == "self_extend"
+    assert torch.equal(logits(model, x), before)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_a_sliding_window_is_proven_to_be_the_declared_one(model_type, monkeypatch):
+    """Past a sliding window the forward sees each query's band of keys, which must be the config's
+    window; a band of another width (here: a config declaring a wider window than the model's
+    layers apply) is refused."""
+    from census_configs import tiny
+
+    from rope_ext.patches import llama
+    from rope_ext.patches.probe import keys_at
+
+    model = tiny(model_type, sliding_window=WINDOW // 2)
+    assert {keys for _, keys in keys_at(model, WINDOW)} <= {None, WINDOW // 2}
+    assert WINDOW // 2 in {keys for _, keys in keys_at(model, WINDOW)}
+    monkeypatch.setattr(llama, "hiding_sizes", lambda config: {"sliding_window": WINDOW * 3 // 4})
+    with pytest.raises(ValueError, match=r"hides all but the last 32 keys"):
+        rope_ext.patch(model, "rerope", factor=4, original_window=WINDOW)
+    assert rope_ext.describe(model) is None
