@@ -20,9 +20,8 @@ from torch import nn
 
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.method.attention_side import AttentionMethod
-from rope_ext.method.base import Method, ModelFacts, default_inv_freq
-from rope_ext.method.dca import CONFIG_KEY, stated_sizes
+from rope_ext.method.base import Method, ModelFacts, default_inv_freq, refusal
+from rope_ext.method.stated import CONFIG_KEY, stated_sizes
 from rope_ext.record import Patch, config_values, restore, rope_parameters, served_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
@@ -119,7 +118,7 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
             layer_type = args[0] if args else kwargs["layer_type"]
             if layer_type != self.structure.layer_type:
                 return self.kept(x, position_ids, layer_type)
-        if self.structure.cos_format == "complex":  # only static methods: install refuses the others
+        if self.structure.cos_format == "complex":  # only static methods: facts.static_only refuses the others
             return polar(self.inv_freq, self.attention_scaling, positions)
         return formatted(*super().forward(x, positions), self.structure.cos_format)
 
@@ -196,6 +195,17 @@ def key_selection(config) -> tuple[str, int] | None:
             per = getattr(config, unit, None) if unit else None
             found.append((key, size * (per or 1)))
     return min(found, key=lambda item: item[1], default=None)
+
+
+def sliding_window(config: dict) -> int | None:
+    """The window of the model's sliding-window layers, from transformers' config keys: its
+    `sliding_window`, used by the layers `layer_types` names "sliding_attention" or, in a config
+    without `layer_types` (Mistral, Mixtral), by every layer; None when every layer attends every
+    earlier key."""
+    window, layer_types = config.get("sliding_window"), config.get("layer_types")
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
 
 
 def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
@@ -387,14 +397,24 @@ class LlamaFamily(FamilyAdapter):
         return geometry
 
     def facts(self, site: RotarySite) -> ModelFacts:
+        """What the probe proved of the model (`site.structure`) and what its config states, as
+        the reasons a method may not run on it (rope_ext.method.base.refusal decides)."""
         config = site.config
+        structure = site.structure
+        settings = config.to_dict()
+        elsewhere = ", ".join(f"`{name}`" for name in structure.rotation_elsewhere)
         return ModelFacts(
             family=self.name,
             backend=base_name(config._attn_implementation or "eager"),
             num_heads=config.num_attention_heads,
             causal=all(getattr(module, "is_causal", True) for module in site.attention + site.nope),
             attention_interface=self.attention_interface,
-            config=config.to_dict(),
+            config=settings,
+            static_only=f"{REASONS['rotation']}: {structure.static_only}" if structure.static_only else None,
+            not_plain_attention=None if structure.plain_attention else ATTENTION_REFUSAL,
+            rotation_elsewhere=f"{REASONS['rotation-elsewhere']}: {elsewhere}" if elsewhere else None,
+            key_selection=key_selection(config),
+            sliding_window=sliding_window(settings),
         )
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
@@ -461,27 +481,8 @@ class LlamaFamily(FamilyAdapter):
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
         (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
         so that a plain reload reproduces the patch where transformers can. Returns the native
-        parameters."""
-        if rotary.dynamic and site.structure.static_only:
-            raise ValueError(
-                f"{rotary.method.name} rotates queries and keys inside attention, and {REASONS['rotation']}: "
-                f"{site.structure.static_only}; methods that change the rotary module's output (linear, ntk, yarn, "
-                "llama3, ...) apply"
-            )
-        if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
-            raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
-        if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
-            found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
-            raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
-        selection = key_selection(site.config)
-        if isinstance(rotary.method, AttentionMethod) and selection is not None and selection[1] < max_length:
-            key, size = selection
-            raise ValueError(
-                f"{rotary.method.name}: the model's attention selects keys (config {key}: {size} tokens), fewer than the "
-                f"{max_length} the patch is meant for; the probe's short forward cannot see that selection, and "
-                f"{rotary.method.name}, which computes attention itself over every key it places, would not keep it; "
-                "methods that change the rotary module's output apply"
-            )
+        parameters. Whether the method runs on this model was decided before (`facts`,
+        rope_ext.method.base.refusal): this installs only."""
         if (current := self.installed(site)) is not None:
             current.retire_caches()
             self._detach(site)
@@ -567,7 +568,10 @@ class LlamaFamily(FamilyAdapter):
         chosen = base_name(config._attn_implementation or "eager")
         rotary = self.installed(site)
         try:
-            rotary.method.resolve(self.facts(site), rotary.geometry, rotary.factor, rotary.params)
+            facts = self.facts(site)
+            rotary.method.resolve(facts, rotary.geometry, rotary.factor, rotary.params)
+            if (refused := refusal(rotary.method, facts, math.ceil(rotary.geometry.original_window * rotary.factor))) is not None:
+                raise ValueError(refused)
             name = registered_name(chosen)
         except ValueError as err:
             config._attn_implementation = routed
