@@ -71,7 +71,9 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def facts(self, site) -> ModelFacts:
-        """What methods may check about the model (rope_ext.method.base.ModelFacts)."""
+        """What the adapter found about the model (rope_ext.method.base.ModelFacts): what a
+        method's requirements are checked against (rope_ext.method.base.refusal, run by the
+        orchestration before anything changes), and what its `resolve` may read."""
 
     @abstractmethod
     def build(self, site, method: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict) -> nn.Module:
@@ -85,7 +87,8 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def install(self, site, rotary: nn.Module, transforms: list, max_length: int) -> dict | None:
         """Swap `rotary` in, run `transforms` inside attention, write the config; return the
-        transformers `rope_parameters` that reproduce the patch on a plain reload, or None."""
+        transformers `rope_parameters` that reproduce the patch on a plain reload, or None. The
+        method was checked against `facts` before: install decides nothing about it."""
 
     @abstractmethod
     def uninstall(self, site) -> None:

@@ -14,15 +14,15 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.method.attention_side import AttentionMethod
-from rope_ext.method.base import Method, ModelFacts, default_inv_freq
-from rope_ext.method.dca import CONFIG_KEY, stated_sizes
+from rope_ext.method.base import Method, ModelFacts, default_inv_freq, refusal
+from rope_ext.method.stated import CONFIG_KEY, stated_sizes
 from rope_ext.record import Patch, config_values, restore, rope_parameters, served_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
@@ -121,7 +121,7 @@ class ProbedRotaryEmbedding(ExtendedRotaryEmbedding):
             layer_type = args[0] if args else kwargs["layer_type"]
             if layer_type != self.structure.layer_type:
                 return self.kept(x, position_ids, layer_type)
-        if self.structure.cos_format == "complex":  # only static methods: install refuses the others
+        if self.structure.cos_format == "complex":  # only static methods: facts.static_only refuses the others
             return polar(self.inv_freq, self.attention_scaling, positions)
         return formatted(*super().forward(x, positions), self.structure.cos_format)
 
@@ -184,7 +184,7 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
 # chunk (Llama 4's attention_chunk_size), the top-k of an indexer (DeepSeek-V3.2's index_topk;
 # Qwen4-Exp's indexer_budget blocks of indexer_compress_ratio tokens). The probe's forward of a few
 # tokens sits inside any of them; a patch meant for more tokens than one of them is proven past it
-# (LlamaFamily.check_keys_past).
+# (keys_hidden_past).
 HIDING_SIZES = {"attention_chunk_size": None, "index_topk": None, "indexer_budget": "indexer_compress_ratio"}
 
 
@@ -203,6 +203,40 @@ def hiding_sizes(config) -> dict[str, int]:
     if isinstance(window, int) and window > 0 and (layer_types is None or "sliding_attention" in layer_types):
         found["sliding_window"] = window
     return found
+
+
+def sliding_window(config: dict) -> int | None:
+    """The window of the model's sliding-window layers, from transformers' config keys: its
+    `sliding_window`, used by the layers `layer_types` names "sliding_attention" or, in a config
+    without `layer_types` (Mistral, Mixtral), by every layer; None when every layer attends every
+    earlier key."""
+    window, layer_types = config.get("sliding_window"), config.get("layer_types")
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window
+
+
+def keys_hidden_past(site: RotarySite, length: int) -> str | None:
+    """What the model's attention hides from a query within `length` tokens besides later keys and
+    its sliding window's (a chunk, a key selection, a window other than the config's), or None: for
+    every size below `length` its config declares (hiding_sizes), a forward of the largest plus
+    PROBE_LENGTH tokens (at most `length`) records each call's mask (patches.probe.keys_at)."""
+    sizes = {key: size for key, size in hiding_sizes(site.config).items() if size < length}
+    if not sizes:
+        return None
+    run = min(length, max(sizes.values()) + PROBE_LENGTH)
+    declared = ", ".join(f"{key} {size}" for key, size in sizes.items())
+    try:
+        seen = keys_at(site.model, run)
+    except Refused as err:
+        return f"at {run} tokens, past its config's {declared}, the forward that shows it cannot run: {err}"
+    window = sizes.get("sliding_window")
+    hidden = [(name, keys) for name, keys in seen if keys is False or (keys is not None and keys != window)]
+    if not hidden:
+        return None
+    name, keys = hidden[0]
+    what = f"all but the last {keys} keys" if keys else "keys other than later ones or a sliding window's"
+    return f"at {run} tokens, past its config's {declared}, `{name}` (and {len(hidden) - 1} other calls) hides {what}"
 
 
 def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
@@ -394,14 +428,24 @@ class LlamaFamily(FamilyAdapter):
         return geometry
 
     def facts(self, site: RotarySite) -> ModelFacts:
+        """What the probe proved of the model (`site.structure`) and what its config states, as
+        the reasons a method may not run on it (rope_ext.method.base.refusal decides)."""
         config = site.config
+        structure = site.structure
+        settings = config.to_dict()
+        elsewhere = ", ".join(f"`{name}`" for name in structure.rotation_elsewhere)
         return ModelFacts(
             family=self.name,
             backend=base_name(config._attn_implementation or "eager"),
             num_heads=config.num_attention_heads,
             causal=all(getattr(module, "is_causal", True) for module in site.attention + site.nope),
             attention_interface=self.attention_interface,
-            config=config.to_dict(),
+            config=settings,
+            static_only=f"{REASONS['rotation']}: {structure.static_only}" if structure.static_only else None,
+            not_plain_attention=None if structure.plain_attention else ATTENTION_REFUSAL,
+            rotation_elsewhere=f"{REASONS['rotation-elsewhere']}: {elsewhere}" if elsewhere else None,
+            keys_hidden=partial(keys_hidden_past, site),
+            sliding_window=sliding_window(settings),
         )
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
@@ -464,51 +508,12 @@ class LlamaFamily(FamilyAdapter):
             }
         return found
 
-    @staticmethod
-    def check_keys_past(site: RotarySite, method: str, max_length: int) -> None:
-        """For a method that computes attention itself over every key it places: past every size
-        below max_length its config declares (hiding_sizes), up to max_length, a forward must show
-        each query every earlier key, or in a sliding window the config's window; else ValueError."""
-        sizes = {key: size for key, size in hiding_sizes(site.config).items() if size < max_length}
-        if not sizes:
-            return
-        length = min(max_length, max(sizes.values()) + PROBE_LENGTH)
-        declared = ", ".join(f"{key} {size}" for key, size in sizes.items())
-        try:
-            seen = keys_at(site.model, length)
-        except Refused as err:
-            raise ValueError(
-                f"{method}: the model's keys at {length} tokens, past its config's {declared}, cannot be seen: {err}"
-            ) from None
-        window = sizes.get("sliding_window")
-        hidden = [(name, keys) for name, keys in seen if keys is False or (keys is not None and keys != window)]
-        if hidden:
-            name, keys = hidden[0]
-            what = f"all but the last {keys} keys" if keys else "keys other than later ones or a sliding window's"
-            raise ValueError(
-                f"{method}: the model's attention selects keys: at {length} tokens, past its config's {declared}, "
-                f"`{name}` (and {len(hidden) - 1} other calls) hides {what}, which {method} would not keep, since it "
-                "computes attention itself over every key it places; methods that change the rotary module's output apply"
-            )
-
     def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
         """Swap the module in, route attention through the rope-ext chain where the patch needs it
         (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
         so that a plain reload reproduces the patch where transformers can. Returns the native
-        parameters."""
-        if rotary.dynamic and site.structure.static_only:
-            raise ValueError(
-                f"{rotary.method.name} rotates queries and keys inside attention, and {REASONS['rotation']}: "
-                f"{site.structure.static_only}; methods that change the rotary module's output (linear, ntk, yarn, "
-                "llama3, ...) apply"
-            )
-        if isinstance(rotary.method, AttentionMethod) and not site.structure.plain_attention:
-            raise ValueError(f"{rotary.method.name}: {ATTENTION_REFUSAL}")
-        if (rotary.dynamic or isinstance(rotary.method, AttentionMethod)) and site.structure.rotation_elsewhere:
-            found = ", ".join(f"`{name}`" for name in site.structure.rotation_elsewhere)
-            raise ValueError(f"{rotary.method.name}: {REASONS['rotation-elsewhere']}: {found}")
-        if isinstance(rotary.method, AttentionMethod):
-            self.check_keys_past(site, rotary.method.name, max_length)
+        parameters. Whether the method runs on this model was decided before (`facts`,
+        rope_ext.method.base.refusal): this installs only."""
         if (current := self.installed(site)) is not None:
             current.retire_caches()
             self._detach(site)
@@ -594,7 +599,10 @@ class LlamaFamily(FamilyAdapter):
         chosen = base_name(config._attn_implementation or "eager")
         rotary = self.installed(site)
         try:
-            rotary.method.resolve(self.facts(site), rotary.geometry, rotary.factor, rotary.params)
+            facts = self.facts(site)
+            rotary.method.resolve(facts, rotary.geometry, rotary.factor, rotary.params)
+            if (refused := refusal(rotary.method, facts, math.ceil(rotary.geometry.original_window * rotary.factor))) is not None:
+                raise ValueError(refused)
             name = registered_name(chosen)
         except ValueError as err:
             config._attn_implementation = routed

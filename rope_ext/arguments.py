@@ -7,9 +7,9 @@ The choices the commands check against live here too, where the help shows them.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 
+from rope_ext import names
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoint, where a name is expected
 
 PLAIN = "plain"  # the unpatched model
@@ -22,50 +22,17 @@ DEFAULT_ROOT = "rope-ext-results"
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 ROPE_RATIO_MEANINGS = ("base", "positions")
 METHOD_HELP = "a method that `rope-ext methods` lists"
-# The names rope_ext.method registers, in its order (tests/test_cli.py holds the two equal): known
-# here, a misspelt method is answered before torch, transformers or lm-eval load.
-METHOD_NAMES = (
-    "linear",
-    "ntk",
-    "dynamic",
-    "yarn",
-    "dynamic_yarn",
-    "ntk_by_parts",
-    "ntk_alpha",
-    "proportional",
-    "llama3",
-    "longrope",
-    "alibi_hybrid",
-    "self_extend",
-    "rerope",
-    "string",
-    "dpe",
-    "dca",
-    "sink_window",
-)
+# The method names, known without torch (rope_ext.names): a misspelt method is answered before
+# torch, transformers or lm-eval load.
+METHOD_NAMES, RETIRED = names.METHOD_NAMES, names.RETIRED
 
 
-# Methods rope-ext no longer has, with what to use instead (records and command lines that name them)
-RETIRED = {
-    "yarn_dca": (
-        "yarn_dca (DCA over YaRN's frequencies) was removed: no released checkpoint or engine runs DCA over YaRN's "
-        "frequencies (Qwen2.5-1M states rope_scaling null; vLLM's and SGLang's DCA keep the trained frequencies and "
-        "add a length temperature), and dca now computes that temperature: use dca (docs/dca.md)"
-    )
-}
-
-
-def unknown_method(names: list) -> str | None:
-    """The error for the first of `names` that is neither plain nor a registered method, with the
+def unknown_method(methods: list) -> str | None:
+    """The error for the first of `methods` that is neither plain nor a registered method, with the
     registered names closest to it (or why it was removed); None when every one is known."""
-    for name in names:
-        if name == PLAIN or name in METHOD_NAMES:
-            continue
-        if name in RETIRED:
-            return RETIRED[name]
-        close = difflib.get_close_matches(str(name), METHOD_NAMES, n=2)
-        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
-        return f"unknown method {name!r}{hint}; valid methods: {', '.join(METHOD_NAMES)}"
+    for name in methods:
+        if name != PLAIN and (error := names.unknown_method(name)) is not None:
+            return error
     return None
 
 

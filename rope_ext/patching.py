@@ -5,7 +5,9 @@
     saved = record.read(config)                 read here once: the patch a reloaded checkpoint records
     original = adapter.original_record(saved)   the values from before any patch, the record's if any
     geometry = adapter.geometry(...)            rotary dim, base, trained window, layout
+    facts = adapter.facts(site)                 what the adapter found about the model
     factor, params = method.resolve(...)        what the method derives from the model
+    refusal(method, facts, length)              the one check of what the method requires of the model
     rotary = adapter.build(...)                 the new rotary module, not yet installed
     adapter.install(rotary, method.attention()) from here on the model changes
     record.write(config, ...)                   so that a reload or an unpatch reproduces exactly
@@ -30,7 +32,7 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
-from .method.base import as_size
+from .method.base import as_size, refusal
 from . import record, serving
 from .patches import find_adapter
 from .record import Patch
@@ -121,13 +123,10 @@ def patch(
         spec, factor, params = methods.check(method, factor, {**inherited, **given})
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
-    if spec.needs_attention_interface and not facts.attention_interface:
-        raise ValueError(
-            f"{method} needs attention that runs through transformers' AttentionInterface "
-            f"(transformers-native families); the {adapter.name!r} family does not"
-        )
     factor, params = spec.resolve(facts, geometry, factor, params)
     applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
+    if (refused := refusal(spec, facts, applied.max_length)) is not None:
+        raise ValueError(refused)  # what the method requires against what the model is, in one place
     served = adapter.served_context(site, original)
     if _saved is None and served is not None and applied.max_length < served and not allow_shrink:
         raise ValueError(

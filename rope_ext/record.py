@@ -34,10 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arguments import RETIRED
 from .geometry import RotaryGeometry
 from .method import REGISTRY
 from .method.rope import yarn_mscale
+from .names import RETIRED
 from .shipped import QUERY_SCALE_KEY, WINDOW_KEYED
 
 CONFIG_KEY = "rope_ext"

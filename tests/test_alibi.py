@@ -303,7 +303,11 @@ def test_bad_parameters_are_refused_and_change_nothing(params, message):
         ("flash_attention_2", dict(w=16), "w=16"),
         ("flash_attention_2", dict(w=0, trainable=True), "trainable"),
         ("flex_attention", dict(trainable=True), "trainable"),
-        ("paged|sdpa", dict(), "cannot add its bias"),
+        (
+            "paged|sdpa",
+            dict(),
+            "runs on the eager, sdpa, flex_attention or flash_attention_2 attention backend, not 'paged\\|sdpa'",
+        ),
     ],
 )
 def test_backends_that_cannot_honour_the_bias_are_refused(backend, params, message):

@@ -111,6 +111,74 @@ def test_dependencies_run_one_way(layer, forbidden):
     assert wrong == []
 
 
+# What a method module may import of ours (docs/architecture.md): the layers below it, and the names
+# the command line also knows before torch loads.
+BELOW_METHODS = ("rope_ext.geometry", "rope_ext.rotation", "rope_ext.attention", "rope_ext.names")
+# What an adapter may import of the method package: the contract and the settings a config states
+# for a method, which hold no method; never a method's module (nor the registry, which imports them all).
+METHOD_CONTRACT = ("rope_ext.method.base", "rope_ext.method.stated")
+
+
+def test_methods_import_nothing_above_them():
+    """No module of rope_ext.method imports the command line's arguments, the orchestration, an
+    adapter or anything else above the geometry, the rotation and the attention rooms."""
+    wrong = [
+        (n, t)
+        for n in GRAPH
+        if n == "rope_ext.method" or n.startswith("rope_ext.method.")
+        for t, _ in GRAPH[n]
+        if not (t == "rope_ext.method" or t.startswith("rope_ext.method."))
+        and not any(t == b or t.startswith(b + ".") for b in BELOW_METHODS)
+    ]
+    assert wrong == []
+
+
+def test_adapters_know_no_method():
+    """Adapters import the method contract only: which methods run on a model is decided by
+    rope_ext.method.base.refusal, from the facts the adapter finds, not by an adapter that knows a
+    method's class or module."""
+    wrong = [
+        (n, t)
+        for n in GRAPH
+        if n == "rope_ext.patches" or n.startswith("rope_ext.patches.")
+        for t, _ in GRAPH[n]
+        if (t == "rope_ext.method" or t.startswith("rope_ext.method.")) and t not in METHOD_CONTRACT
+    ]
+    assert wrong == []
+
+
+def test_the_method_names_are_known_below_everything():
+    """rope_ext.names, which the registry and the command line share, imports nothing of ours."""
+    assert GRAPH["rope_ext.names"] == []
+
+
+def test_one_check_decides_whether_a_method_runs_on_a_model():
+    """`refusal` checks a method's requirements against the adapter's facts: on a model that takes
+    every method it refuses none; on one that takes none (no AttentionInterface, an unknown backend,
+    bidirectional attention, a rotation rope-ext cannot stand in for, ...) it refuses every method
+    but the static frequency changes, naming the method."""
+    from rope_ext.method.base import ModelFacts, refusal
+
+    plain = ModelFacts("any", "sdpa", 4, True, True)
+    assert {name: refusal(spec, plain, 256) for name, spec in methods.REGISTRY.items()} == dict.fromkeys(methods.REGISTRY)
+    worst = ModelFacts(
+        "any",
+        "flex_attention",
+        4,
+        False,
+        False,
+        static_only="a reason",
+        not_plain_attention="another",
+        rotation_elsewhere="elsewhere",
+        keys_hidden=lambda length: "a chunk",
+        sliding_window=8,
+    )
+    refused = {name: refusal(spec, worst, 256) for name, spec in methods.REGISTRY.items()}
+    static = {name for name, spec in methods.REGISTRY.items() if spec.rotation == "static" and not spec.needs_attention_interface}
+    assert {name for name, reason in refused.items() if reason is None} == static
+    assert all(reason.startswith(name) for name, reason in refused.items() if reason is not None)
+
+
 def test_nothing_imports_the_cli():
     assert [n for n in GRAPH if any(t == "rope_ext.cli" for t, _ in GRAPH[n])] == []
 

@@ -392,15 +392,13 @@ class ChatGLMFamily(FamilyAdapter):
             num_heads=config.num_attention_heads,
             causal=True,
             attention_interface=self.attention_interface,
+            static_only=self._static_only(site),
         )
 
     def build(self, site: ChatGLMSite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
         current = self.installed(site)
         original_module = current.original_module if current is not None else site.rotary
-        seq_first = None
-        if spec.dynamic:
-            self._check_dynamic(site)
-            seq_first = self._sequence_first(site)
+        seq_first = self._sequence_first(site) if spec.dynamic else None
         return ChatGLMRotaryEmbedding(spec, factor, params, geometry, record, original_module, seq_first)
 
     def install(self, site: ChatGLMSite, rotary: ChatGLMRotaryEmbedding, transforms: list, max_length: int) -> None:
@@ -442,25 +440,26 @@ class ChatGLMFamily(FamilyAdapter):
                 else:
                     core.forward = wrapper.previous
 
-    def _check_dynamic(self, site: ChatGLMSite) -> None:
+    def _static_only(self, site: ChatGLMSite) -> str | None:
+        """Why rope-ext cannot rotate queries and keys inside this model's core attention (what
+        dynamic methods do), so that only static methods apply; None when it can."""
         config = site.config
         implementation = getattr(config, "_attn_implementation", None) or ""
         if implementation.startswith("flash"):
-            raise ValueError(
-                f"rope_ext: dynamic methods on remote-code ChatGLM need an eager or sdpa core attention (boolean masks); "
-                f"this model uses {implementation!r}. Load it with attn_implementation='sdpa', or convert it to native GLM"
+            return (
+                f"remote-code ChatGLM's core attention is {implementation!r}, where that needs an eager or sdpa one "
+                "(boolean masks): load it with attn_implementation='sdpa', or convert it to native GLM"
             )
         if getattr(config, "pre_seq_len", None):
-            raise ValueError(
-                "rope_ext: dynamic methods cannot track the P-tuning prefix keys (pre_seq_len) of this ChatGLM model"
-            )
+            return "this ChatGLM model has P-tuning prefix keys (pre_seq_len), which rope-ext cannot track"
         try:
             site.cores
         except AttributeError as err:
-            raise ValueError(
-                "rope_ext: dynamic methods wrap each layer's attention and expect "
-                f"`transformer.encoder.layers[i].self_attention.core_attention`; {err}"
-            ) from err
+            return (
+                "this ChatGLM model has no core attention to wrap where rope-ext would expect "
+                f"`transformer.encoder.layers[i].self_attention.core_attention`: {err}"
+            )
+        return None
 
     def _sequence_first(self, site: ChatGLMSite) -> bool:
         """Whether hidden states are [s, b, h] (ChatGLM2/3) or [b, s, h] (GLM-4), from the embedding."""

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from rope_ext.names import unknown_method
+
 from . import alibi_hybrid, dca, dpe, longrope, rerope, rope, self_extend, sink_window, string
 from .base import Method
-from rope_ext.arguments import unknown_method
 
 REGISTRY: dict[str, Method] = {
     **{m.name: m for m in rope.METHODS},
@@ -31,7 +32,7 @@ def get(name: str, params: dict | None = None) -> Method:
         method = REGISTRY[name]
     except (KeyError, TypeError):
         # the CLI's message (with the closest names), which it gives before torch loads
-        message = unknown_method([name]) or f"unknown method {name!r}; valid methods: {', '.join(REGISTRY)}"
+        message = unknown_method(name) or f"unknown method {name!r}; valid methods: {', '.join(REGISTRY)}"
         raise ValueError(message) from None
     return method.bind(params or {})
 

@@ -35,7 +35,7 @@ trains with `modules_to_save=["rope_ext_alibi"]`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,7 @@ from torch import nn
 from rope_ext.attention import AttentionTransform, base_name, causal_mask
 from rope_ext.geometry import RotaryGeometry
 
-from .base import Method, ModelFacts, as_number, as_size, default_inv_freq
+from .base import Method, ModelFacts, Requires, as_number, as_size, default_inv_freq
 from .rope import METHODS
 
 ROPE_METHODS = {m.name: m for m in METHODS}
@@ -96,18 +96,22 @@ class HybridMethod(Method):
         rotary = self.rope or Method(NAME, self.fn, self.summary, self.formula)
         return {**own, **rotary.validate(factor, rope_params)}
 
+    @property
+    def requires(self) -> Requires:
+        """The rope's (Method.requires: the bias inside attention, and with a dynamic rope its
+        rotation and schedule there), the backends that take a bias, causal attention."""
+        return replace(super().requires, backends=BACKENDS, causal=True)
+
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         """`params` with w resolved (None -> the original window); ValueError, changing nothing,
-        when the heads or the attention backend do not fit. The rope's schedule resolves as the rope
-        alone would (Method.resolve: its backends, its default granularity)."""
+        when the heads, or the attention backend for w and trainable, do not fit. The rope's
+        schedule resolves as the rope alone would (Method.resolve: its default granularity)."""
         factor, params = super().resolve(facts, geometry, factor, params)
         w = geometry.original_window if params["w"] is None else params["w"]
         heads = params["heads"]
         if heads is not None and heads[-1] >= facts.num_heads:
             raise ValueError(f"{NAME}: head index {heads[-1]} out of range; the model has {facts.num_heads} heads")
         check_backend(facts.backend, w, params["trainable"])
-        if not facts.causal:
-            raise ValueError(f"{NAME} is defined for causal attention only")
         return factor, {**params, "w": w}
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
@@ -191,9 +195,8 @@ def _checked(params: dict) -> dict:
 
 
 def check_backend(backend: str, w: int, trainable: bool) -> None:
-    """ValueError when attention backend `backend` cannot apply this bias."""
-    if backend not in BACKENDS:
-        raise ValueError(f"{NAME} cannot add its bias on attention backend {backend!r}; supported: {', '.join(BACKENDS)}")
+    """ValueError when attention backend `backend`, one of BACKENDS (HybridMethod.requires), cannot
+    apply this bias with `w` and `trainable`."""
     if backend == "flash_attention_2" and w != 0:
         raise ValueError(
             f"{NAME}: flash_attention_2 applies ALiBi only from distance 0 (its alibi_slopes); "

@@ -9,8 +9,10 @@ config keeps its trained window. The base owns:
 - the validate template: unknown names, the sizes the method declares (`sizes`), every flag
   (`causal` where `switches`, the query scales where `takes_query_scales`, a method's own), the factor; then the
   method's own rules (`check`);
-- the resolve template: the attention backend (`backends`) is checked before the method derives
-  its parameters from the model (`derive`);
+- what it requires of the model (`requires`, checked by rope_ext.method.base.refusal): its
+  attention backends (`backends`), causal softmax attention over every key of the patch's length,
+  and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
+- the parameters it derives from the model (`derive`, its `resolve`);
 - the transform installed in attention (`transform`, a RotateInAttention).
 
 Records written before this base listed `causal` and `granularity` for every method that keeps
@@ -26,8 +28,7 @@ of that shape is one class with those maps.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -36,7 +37,16 @@ from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, h
 from rope_ext.attention.rotate import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, as_size, check_query_scales, default_inv_freq
+from .base import (
+    SCHEDULE_PARAMS,
+    FrequencyFn,
+    Method,
+    ModelFacts,
+    Requires,
+    as_size,
+    check_query_scales,
+    default_inv_freq,
+)
 
 # the schedule as records written before this base held it for every method that keeps keys before rotation
 RECORDED_SCHEDULE = {"causal": True, "granularity": 1}
@@ -113,20 +123,14 @@ class AttentionMethod(Method):
         """The method's own rules on `params` (declared sizes already checked); returns them."""
         return params
 
+    @property
+    def requires(self) -> Requires:
+        """The base's, and: the backends it declares, plain causal softmax attention over every key
+        of the patch's length, and, where it chooses keys by position, no sliding window shorter."""
+        return replace(super().requires, backends=self.backends, own_attention=True, keys_by_position=self.chooses_keys)
+
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-        if facts.backend not in self.backends:
-            raise ValueError(f"{self.name} runs on the {' or '.join(self.backends)} attention backend, not {facts.backend!r}")
-        factor, params = self.derive(facts, geometry, factor, params)
-        # A window no shorter than the patch's length hides no key inside it (Phi-3.5's 262144 over
-        # 4096 x s); past that length one_sequence refuses the mask that hides keys, at run time.
-        length = math.ceil(geometry.original_window * (factor or 1))
-        if self.chooses_keys and (window := sliding_window(facts.config)) is not None and window < length:
-            raise ValueError(
-                f"{self.name}: the model's layers attend through a sliding window of {window} tokens (config sliding_window), "
-                f"shorter than the {length} the patch is meant for, which {self.name} cannot keep: it chooses the keys "
-                "each query attends by their positions"
-            )
-        return factor, params
+        return self.derive(facts, geometry, factor, params)
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params) with what the method derives from the model filled in; ValueError,
@@ -135,17 +139,6 @@ class AttentionMethod(Method):
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
         return [self.transform(rotary)]
-
-
-def sliding_window(config: dict) -> int | None:
-    """The window of the model's sliding-window layers, from transformers' config keys: its
-    `sliding_window`, used by the layers `layer_types` names "sliding_attention" or, in a config
-    without `layer_types` (Mistral, Mixtral), by every layer; None when every layer attends every
-    earlier key."""
-    window, layer_types = config.get("sliding_window"), config.get("layer_types")
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return window
 
 
 def default_window(window_tokens: int) -> int:

@@ -8,7 +8,8 @@ What a method may add is declared on it, never special-cased by the orchestratio
 - `bind(params)`: the method for these parameters, for a method whose parameter set depends on
   one of them (alibi_hybrid's `rope`);
 - `resolve(facts, geometry, factor, params)`: parameters derived from the model (self_extend's
-  group and window, alibi_hybrid's bias-free distance), checked against what the model is;
+  group and window, alibi_hybrid's bias-free distance), and the checks of parameters against
+  the model (alibi_hybrid's heads, its `w` on flash attention);
 - `attention(rotary, facts, params)`: transforms run inside attention (rope_ext.attention), with what
   they keep on the model;
 - `native(geometry, factor, params, rope)`: the transformers `rope_parameters` that reproduce the
@@ -39,6 +40,11 @@ Two facts say how the rotation runs, and the flags the orchestration reads follo
 
 `needs_attention_interface` follows from the method having attention transforms; attention-side
 methods (rope_ext.method.attention_side) declare what they add on top of this contract there.
+
+What a method requires of a model whatever its parameters is one value, `requires` (`Requires`:
+derived from the facts above, with what attention-side methods and alibi_hybrid add), and what the
+family adapter found is another (`ModelFacts`); `refusal(method, facts, length)` checks one against
+the other, the one place that decides whether a method runs on a model, with the reason.
 """
 
 from __future__ import annotations
@@ -97,7 +103,10 @@ MAX_ATTENTION_FACTOR = 100.0
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What a method may check about the model it patches, as the family adapter reads it."""
+    """What the family adapter found about the model a method patches: what `refusal` checks a
+    method's `Requires` against, and what a method's `resolve` may read. The fields after `config`
+    are what the probe proved of the structure (patches/probe.py), as the reason where a method
+    cannot run on it; their defaults are a model that takes every method."""
 
     family: str
     backend: str  # the attention implementation, without a rope-ext wrapper prefix
@@ -105,6 +114,87 @@ class ModelFacts:
     causal: bool  # every attention layer is causal
     attention_interface: bool  # attention runs through transformers' AttentionInterface
     config: dict = field(default_factory=dict)  # the model's config, for settings a checkpoint states for a method
+    # Why rope-ext's rotation inside attention cannot stand in for the model's, so that only
+    # methods that change the rotary module's output (rotation "static") apply; None when it can.
+    static_only: str | None = None
+    # Why the model's attention is not causal softmax attention of its queries, keys and values,
+    # which the methods that compute attention themselves need; None when it is.
+    not_plain_attention: str | None = None
+    # Where the rotation reaches besides the queries and keys attention receives (with the
+    # reason), which the methods that rotate inside attention would hand an identity; None: nowhere.
+    rotation_elsewhere: str | None = None
+    # What attention hides from a query within a length besides later keys and its sliding window's
+    # (a chunk, an indexer's top-k), proven by a forward past the sizes the config declares, which
+    # runs only when asked (the patch's length decides how far); None: it hides nothing else.
+    keys_hidden: Callable[[int], str | None] | None = None
+    # The window of the model's sliding-window layers; None when every layer attends every earlier key.
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class Requires:
+    """What a method requires of the model it patches, declared as data (`Method.requires`, derived
+    from the method's declared facts) and checked against the model's `ModelFacts` in one place,
+    `refusal`, before anything changes."""
+
+    attention_interface: bool = False  # it runs transforms inside transformers' AttentionInterface
+    rotation_in_attention: bool = False  # it rotates queries and keys inside attention (keys cached before rotation)
+    sliced_mask: bool = False  # it attends a forward's queries in groups, slicing the attention mask per group
+    backends: tuple[str, ...] | None = None  # the attention backends it runs on; None: any
+    causal: bool = False  # it is defined for causal attention only
+    # It computes attention itself over every key it places: the model's attention must be plain
+    # causal softmax attention over every key of the patch's length.
+    own_attention: bool = False
+    # It chooses the keys each query attends by their positions: no sliding window may hide a key
+    # within the patch's length.
+    keys_by_position: bool = False
+
+
+def refusal(method: Method, facts: ModelFacts, length: int) -> str | None:
+    """Why `method` cannot run on the model of `facts` for a patch meant for `length` tokens, or
+    None when it can: the one check of what a method requires (`method.requires`) against what
+    the model is, which `rope_ext.patch` runs before the model changes (and the adapter again when
+    a patched model switches its attention backend)."""
+    requires, name = method.requires, method.name
+    if requires.attention_interface and not facts.attention_interface:
+        return (
+            f"{name} needs attention that runs through transformers' AttentionInterface "
+            f"(transformers-native families); the {facts.family!r} family does not"
+        )
+    if requires.backends is not None and facts.backend not in requires.backends:
+        *others, last = requires.backends
+        listed = f"{', '.join(others)} or {last}" if others else last
+        return f"{name} runs on the {listed} attention backend, not {facts.backend!r}"
+    if requires.sliced_mask and facts.backend in UNGROUPED_BACKENDS:
+        return (
+            f"{name} attends the queries of a forward in groups by the length each has seen, slicing the "
+            f"attention mask per group, which the {facts.backend} backend's mask does not allow; use sdpa or eager"
+        )
+    # A window no shorter than the patch's length hides no key inside it (Phi-3.5's 262144 over
+    # 4096 x s); past that length one_sequence refuses the mask that hides keys, at run time.
+    if requires.keys_by_position and (window := facts.sliding_window) is not None and window < length:
+        return (
+            f"{name}: the model's layers attend through a sliding window of {window} tokens (config sliding_window), "
+            f"shorter than the {length} the patch is meant for, which {name} cannot keep: it chooses the keys "
+            "each query attends by their positions"
+        )
+    if requires.causal and not facts.causal:
+        return f"{name} is defined for causal attention only"
+    if requires.rotation_in_attention and facts.static_only is not None:
+        return (
+            f"{name} rotates queries and keys inside attention, and {facts.static_only}; methods that change the "
+            "rotary module's output (linear, ntk, yarn, llama3, ...) apply"
+        )
+    if requires.own_attention and facts.not_plain_attention is not None:
+        return f"{name}: {facts.not_plain_attention}"
+    if (requires.rotation_in_attention or requires.own_attention) and facts.rotation_elsewhere is not None:
+        return f"{name}: {facts.rotation_elsewhere}"
+    if requires.own_attention and facts.keys_hidden is not None and (hidden := facts.keys_hidden(length)) is not None:
+        return (
+            f"{name}: the model's attention selects keys: {hidden}, which {name} would not keep, since it computes "
+            "attention itself over every key it places; methods that change the rotary module's output apply"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -140,6 +230,15 @@ class Method:
     def needs_attention_interface(self) -> bool:
         """Whether the method runs transforms inside attention (transformers' AttentionInterface)."""
         return type(self).attention is not Method.attention
+
+    @property
+    def requires(self) -> Requires:
+        """What the method requires of the model (checked by `refusal`), from its declared facts."""
+        return Requires(
+            attention_interface=self.needs_attention_interface,
+            rotation_in_attention=self.dynamic,
+            sliced_mask=self.follows_length,
+        )
 
     @property
     def schedule(self) -> tuple[str, ...]:
@@ -199,11 +298,6 @@ class Method:
             raise ValueError(f"unknown parameter(s) {unknown} for {context or f'method {self.name!r}'}; allowed: {allowed}")
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-        if self.follows_length and facts.backend in UNGROUPED_BACKENDS:
-            raise ValueError(
-                f"{self.name} attends the queries of a forward in groups by the length each has seen, slicing the "
-                f"attention mask per group, which the {facts.backend} backend's mask does not allow; use sdpa or eager"
-            )
         if "granularity" in self.schedule and params.get("granularity") is None:
             params = {**params, "granularity": default_granularity(geometry.original_window)}
         return factor, params

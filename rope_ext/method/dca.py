@@ -47,12 +47,12 @@ positions, and its new key, and attends the three parts in three calls.
 Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
 local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
 "dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
-trained window from original_max_position_embeddings (docs/dca.md); `stated_sizes` checks each.
+trained window from original_max_position_embeddings (docs/dca.md); `rope_ext.method.stated` reads
+and checks each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,7 +62,8 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts, as_size
+from .base import ModelFacts
+from .stated import CONFIG_KEY, stated_sizes
 
 NAME = "dca"
 PARAMS = {"chunk_size": None, "local_size": None, "temperature": None}
@@ -71,39 +72,7 @@ FORMULA = (
     "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c) (previous chunk), min(2s-1, c) (earlier); "
     "s = c - local; temperature: logits x max(1, 0.1 ln(n/L) + 1)^2"
 )
-CONFIG_KEY = "dual_chunk_attention_config"  # Qwen2.5-1M's config.json
 LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice (Qwen's configs state c / 32)
-# The keys of CONFIG_KEY that rope-ext reads, with their smallest values; its other keys (Qwen's
-# settings of vLLM's sparse attention) configure nothing here.
-STATED = {"chunk_size": 2, "local_size": 1, "original_max_position_embeddings": 2}
-
-
-def stated_sizes(stated) -> dict:
-    """The sizes a config's `dual_chunk_attention_config` (`stated`, None when it has none)
-    states: {key: int} for the keys of STATED it sets; ValueError naming config.json and the key
-    for a value that is not a mapping, a size that is not an int in range, or sizes that do not
-    fit together."""
-    if stated is None:
-        return {}
-    if not isinstance(stated, Mapping):
-        raise ValueError(
-            f"config.json: {CONFIG_KEY} must be a mapping (chunk_size, local_size, original_max_position_embeddings), "
-            f"got {stated!r}"
-        )
-    sizes = {
-        key: as_size(stated[key], f"config.json: {CONFIG_KEY}.{key}", minimum)
-        for key, minimum in STATED.items()
-        if stated.get(key) is not None
-    }
-    chunk, local, window = (sizes.get(key) for key in STATED)
-    if chunk is not None and local is not None and local >= chunk:
-        raise ValueError(f"config.json: {CONFIG_KEY}.local_size ({local}) must be below {CONFIG_KEY}.chunk_size ({chunk})")
-    if chunk is not None and window is not None and chunk > window:
-        raise ValueError(
-            f"config.json: {CONFIG_KEY}.chunk_size ({chunk}) exceeds {CONFIG_KEY}.original_max_position_embeddings "
-            f"({window}): distances up to chunk_size - 1 must have been trained"
-        )
-    return sizes
 
 
 @dataclass(frozen=True)
