@@ -14,6 +14,8 @@ from helpers import WINDOW, left_padded, logits, random_config, random_ids, rand
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
+from rope_ext.method import REGISTRY
+from rope_ext.method.attention_side import AttentionMethod
 
 
 @pytest.mark.parametrize("method", ["yarn", "dynamic", "self_extend"])
@@ -226,7 +228,7 @@ def test_the_key_selection_a_config_declares_is_read_from_the_fields_of_its_clas
     assert key_selection(LlamaConfig(attention_chunk_size=32, index_topk=48)) is None
 
 
-@pytest.mark.parametrize("method", ["self_extend", "rerope", "string", "dca", "sink_window"])
+@pytest.mark.parametrize("method", [name for name, m in REGISTRY.items() if isinstance(m, AttentionMethod)])
 def test_a_key_selection_shorter_than_the_patch_refuses_the_methods_that_compute_attention(method, monkeypatch):
     """The probe's few tokens sit inside a chunk or a top-k: the methods that attend themselves are
     refused at patch(), changing nothing; the static ones apply. (A LLaMA made to declare a chunk
