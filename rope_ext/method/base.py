@@ -376,7 +376,7 @@ class Method:
         needed), the names, each parameter by its Param, then the `constraints`."""
         if factor is not None or self.factor_required:
             self.accept_factor(factor)
-        self.check_known(params)
+        self._check_known(params)
         specs = self.specs
         for name, spec in specs.items():
             if spec.required and params.get(name) is None:
@@ -393,7 +393,7 @@ class Method:
             return 1.0
         return check_factor(factor)
 
-    def check_known(self, params: dict, context: str = "") -> None:
+    def _check_known(self, params: dict, context: str = "") -> None:
         unknown = sorted(set(params) - set(self.all_params))
         if unknown:
             allowed = ", ".join(self.all_params) or "none"
