@@ -393,11 +393,11 @@ class Method:
             return 1.0
         return check_factor(factor)
 
-    def _check_known(self, params: dict, context: str = "") -> None:
+    def _check_known(self, params: dict) -> None:
         unknown = sorted(set(params) - set(self.all_params))
         if unknown:
             allowed = ", ".join(self.all_params) or "none"
-            raise ValueError(f"unknown parameter(s) {unknown} for {context or f'method {self.name!r}'}; allowed: {allowed}")
+            raise ValueError(f"unknown parameter(s) {unknown} for method {self.name!r}; allowed: {allowed}")
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         if self.follows_length and facts.backend in UNGROUPED_BACKENDS:
