@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria
@@ -41,8 +41,8 @@ from .shipped import shipped_of
 
 @dataclass(frozen=True)
 class PatchInfo:
-    """What `patch` did: the `Patch` (rope_ext.record) with its geometry spelled out, and what the
-    patch found on the model and wrote to it. `max_length` is the length the patched model is meant
+    """What `patch` did: the `Patch` (rope_ext.record, held as `patch`) with its fields and its
+    geometry's read through, and what the patch found on the model and wrote to it. `max_length` is the length the patched model is meant
     for (original_window * factor); `native` is the transformers `rope_parameters` written to the
     config (None when transformers has no equivalent and only rope_ext can reload it); `notes` is
     what the method states about the parameters it resolved, as data (e.g. whether they follow a
@@ -56,25 +56,49 @@ class PatchInfo:
     ("original_window=", "the shipped scaling", "max_position_embeddings", ...), and of a shipped
     scaling its "attention_factor"."""
 
-    method: str
-    factor: float
-    params: dict
+    patch: Patch  # with its geometry
     family: str
     model_type: str
-    original_window: int
-    max_length: int
-    rotary_dim: int
-    head_dim: int | None
-    base: float
-    layout: str
     attention_factor: float | None
     native: dict | None
     notes: dict
-    layer_types: dict | None
     starts_from: dict
 
+    # the Patch's, read through
+    method = property(lambda self: self.patch.method)
+    factor = property(lambda self: self.patch.factor)
+    params = property(lambda self: self.patch.params)
+    original_window = property(lambda self: self.patch.original_window)
+    max_length = property(lambda self: self.patch.max_length)
+    layer_types = property(lambda self: self.patch.layer_types)
+    # its geometry's
+    rotary_dim = property(lambda self: self.patch.geometry.rotary_dim)
+    head_dim = property(lambda self: self.patch.geometry.head_dim)
+    base = property(lambda self: self.patch.geometry.base)
+    layout = property(lambda self: self.patch.geometry.layout)
+
+    FIELDS = (
+        "method",
+        "factor",
+        "params",
+        "family",
+        "model_type",
+        "original_window",
+        "max_length",
+        "rotary_dim",
+        "head_dim",
+        "base",
+        "layout",
+        "attention_factor",
+        "native",
+        "notes",
+        "layer_types",
+        "starts_from",
+    )
+
     def to_dict(self) -> dict:
-        info = asdict(self)
+        """Every field above as plain data (copies), `layer_types` left out where it is None."""
+        info = {name: copy.deepcopy(getattr(self, name)) for name in self.FIELDS}
         if info["layer_types"] is None:
             del info["layer_types"]
         return info
@@ -161,21 +185,12 @@ def patch(
     record.write(config, applied)
     PatchedModel(site.model, method, applied.max_length, native is not None).install()
     return PatchInfo(
-        method=applied.method,
-        factor=applied.factor,
-        params=applied.params,
+        patch=applied,
         family=adapter.name,
         model_type=site.model.config.model_type,
-        original_window=applied.original_window,
-        max_length=applied.max_length,
-        rotary_dim=geometry.rotary_dim,
-        head_dim=geometry.head_dim,
-        base=geometry.base,
-        layout=geometry.layout,
         attention_factor=None if spec.dynamic else rotary.attention_scaling,
         native=native,
         notes=notes,
-        layer_types=applied.layer_types,
         starts_from=starts_from,
     )
 

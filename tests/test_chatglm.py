@@ -34,6 +34,8 @@ GENERATIONS = {
     "chatglm3": (50, "base", 500000.0, 1.0),
     "glm4": (50, "base", 500000.0, 1.0),
 }
+# A specific set, not every method: the frequency scalings that take a factor alone (ntk_alpha needs
+# alpha, longrope its lists) and run on GLM's half-rotated heads (proportional needs a fully rotated one).
 METHODS = ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"]
 TOL = 1e-4
 

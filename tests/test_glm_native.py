@@ -101,6 +101,7 @@ def test_dynamic_decode_equals_full_forward_past_the_window(method):
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
 
 
+# a specific set, as tests/test_chatglm.py METHODS: the scalings that take a factor alone and run on half-rotated heads
 @pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
 def test_unpatch_restores_the_model_exactly(method):
     model = glm("glm4")

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 
 import rope_ext
 from helpers import required_params
+from rope_ext.method import REGISTRY
 from rope_ext.patches.probe import REASONS, probe
 from census_configs import VOCAB, ids, logits, norms_moved
 from test_census import decode_gap, twin_of
@@ -28,9 +29,9 @@ from test_census import decode_gap, twin_of
 WINDOW = 64
 DECODE_TOLERANCE = 1e-4
 # the methods that only change the rotary module's output, with a transformers-native form
-STATIC_METHODS = ["linear", "ntk", "yarn", "ntk_by_parts", "ntk_alpha", "proportional", "llama3"]
+STATIC_METHODS = [name for name, m in REGISTRY.items() if not m.dynamic and not m.needs_attention_interface]
 # a static rotation plus a bias inside attention, without a native form
-BIASED_METHODS = ["alibi_hybrid"]
+BIASED_METHODS = [name for name, m in REGISTRY.items() if not m.dynamic and m.needs_attention_interface]
 IN_ATTENTION_METHODS = [name for name, listed in rope_ext.methods().items() if listed["dynamic"]]
 PAIRS = 8  # rotated pairs of the tiny model (head size 16)
 # Llama-4-Scout's rope_parameters with the pretraining window shrunk from 8192 to 32 tokens

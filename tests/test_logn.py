@@ -9,11 +9,12 @@ import torch
 import rope_ext
 from rope_ext import cli
 from rope_ext.evals import loading
+from rope_ext.method import REGISTRY
 
 from helpers import assert_refused_unchanged, assert_saves_reloads_and_unpatches, cached_logits, ppl_past_window
 
 TRAINED = 128  # the tiny model's window
-METHODS = ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"]
+METHODS = [name for name, m in REGISTRY.items() if m.takes_query_scales]  # every method with `logn`
 # one method per attention transform (RotateInAttention, TwoPartAttention, DualChunkAttention)
 CACHED = ["dynamic", "self_extend", "dca"]
 

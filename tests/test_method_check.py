@@ -8,7 +8,7 @@ import re
 
 import pytest
 import yaml
-from helpers import cli_error_line, random_model, required_params
+from helpers import REQUIRED, cli_error_line, random_model, required_params
 from test_patch import YARN_PARAMS
 from lm_eval.models.huggingface import HFLM
 
@@ -155,3 +155,41 @@ def test_the_listing_shows_only_parameters_a_user_can_set(name):
         assert value != default
         info = rope_ext.patch(model, name, factor=4, **{**required_params(name, pairs), key: value})
         assert info.params[key] == value, (key, info.params[key])
+
+
+def test_the_parameters_a_method_requires_are_the_ones_its_params_declare():
+    """tests/helpers.py REQUIRED supplies each parameter a Param declares `required`, and no other."""
+    declared = {
+        name: sorted(key for key, spec in method.specs.items() if spec.required) for name, method in methods.REGISTRY.items()
+    }
+    required = {name: sorted(REQUIRED[name](8)) if name in REQUIRED else [] for name in methods.REGISTRY}
+    assert {name: keys for name, keys in declared.items() if keys} == {
+        name: [key for key in keys if key in declared[name]] for name, keys in required.items() if keys
+    }
+    for name in REQUIRED:
+        spec = methods.REGISTRY[name]
+        with pytest.raises(ValueError, match="is required"):
+            methods.check(name, 4, {})
+        assert methods.check(name, 4, REQUIRED[name](8))[0] is spec
+
+
+def test_no_method_checks_its_parameters_in_code_of_its_own():
+    """A method's parameters are Params and constraints, checked by Method.validate; AttentionMethod
+    only drops the schedule old records hold (records' compatibility) before it."""
+    from rope_ext.method.attention_side import AttentionMethod
+    from rope_ext.method.base import Method
+
+    assert {type(m).validate for m in methods.REGISTRY.values()} == {Method.validate, AttentionMethod.validate}
+    assert all(type(m).accept_factor is Method.accept_factor for m in methods.REGISTRY.values())
+
+
+def test_a_param_states_its_kind_and_bounds_in_its_message():
+    from rope_ext.method.base import MAX_FACTOR, Param
+
+    bounded = Param("p", 1.0, lo=0, lo_open=True, hi=MAX_FACTOR)
+    assert bounded.check("m", 3) == 3 and Param("p", 1.0, "float").check("m", 3) == 3.0
+    with pytest.raises(ValueError, match=re.escape("m: p must be a finite number in (0, 1048576], got 0")):
+        bounded.check("m", 0)
+    with pytest.raises(ValueError, match=re.escape("m: p must be None or one of 'a', got 'b'")):
+        Param("p", None, "choice", choices=("a",), none="plain").check("m", "b")
+    assert Param("p", None, "list", item=Param("i", kind="size"), sort=True).check("m", (3, 1)) == [1, 3]

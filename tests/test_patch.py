@@ -59,6 +59,7 @@ def test_patch_matches_native_transformers_bit_for_bit(family, method):
             assert torch.equal(logits(model, x), logits(native, x))
 
 
+# a specific set: the frequency scalings that take a factor alone (not every method; ntk_alpha and longrope need more)
 @pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_unpatch_restores_the_model_exactly(method, attn):

@@ -14,6 +14,8 @@ from helpers import WINDOW, left_padded, logits, random_config, random_ids, rand
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import rope_ext
+from rope_ext.method import REGISTRY
+from rope_ext.method.attention_side import AttentionMethod
 
 
 @pytest.mark.parametrize("method", ["yarn", "dynamic", "self_extend"])
@@ -243,7 +245,7 @@ def chunked(monkeypatch, chunk: int):
     return model
 
 
-@pytest.mark.parametrize("method", ["self_extend", "rerope", "string", "dca", "sink_window"])
+@pytest.mark.parametrize("method", [name for name, m in REGISTRY.items() if isinstance(m, AttentionMethod)])
 def test_a_chunk_shorter_than_the_patch_refuses_the_methods_that_compute_attention(method, monkeypatch):
     """The probe's few tokens sit inside a chunk: past it, a forward at the chunk plus PROBE_LENGTH
     tokens sees the keys each query is denied, and the methods that attend themselves are refused

@@ -13,6 +13,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import rope_ext
+from rope_ext.method import REGISTRY
+from rope_ext.method.attention_side import AttentionMethod
 
 from census_configs import norms_moved
 from helpers import WINDOW, assert_refused_unchanged, random_ids, random_model
@@ -37,7 +39,12 @@ def model():
     return norms_moved(random_model("llama"))
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn", "self_extend", "rerope", "dca"])
+# every method with the query scales; those of them that attend themselves
+QUERY_SCALED = [name for name, m in REGISTRY.items() if m.takes_query_scales]
+ATTENDING = [name for name in QUERY_SCALED if isinstance(REGISTRY[name], AttentionMethod)]
+
+
+@pytest.mark.parametrize("method", QUERY_SCALED)
 def test_matches_transformers_llama4_bit_for_bit_inside_the_window(method):
     """Inside the window every method here rotates as the unpatched model: with the temperature
     stepping at 15, 31 and 47 the fp32 logits are transformers' Llama 4 computation's, bit for bit."""
@@ -53,7 +60,7 @@ def test_matches_transformers_llama4_bit_for_bit_inside_the_window(method):
     assert not torch.equal(ours, plain)
 
 
-@pytest.mark.parametrize("method", ["self_extend", "rerope", "dca"])
+@pytest.mark.parametrize("method", ATTENDING)
 def test_decoding_past_the_window_equals_one_forward(method):
     """The scale follows each query's own position, so a prefill of 150 tokens and 50 decode steps
     give the logits of one forward over the same 200 tokens."""

@@ -45,14 +45,32 @@ from torch import nn
 from rope_ext.attention import AttentionTransform, base_name, causal_mask
 from rope_ext.geometry import RotaryGeometry
 
-from .base import Method, ModelFacts, Requires, as_number, as_size, default_inv_freq
+from .base import Method, ModelFacts, Param, Requires, default_inv_freq
 from .rope import METHODS
 
 ROPE_METHODS = {m.name: m for m in METHODS}
 
 NAME = "alibi_hybrid"
 ATTRIBUTE = "rope_ext_alibi"  # the per-layer slopes module; also peft's modules_to_save name
-PARAMS = {"rope": "ntk", "w": None, "heads": None, "slope_scale": 1.0, "trainable": False}
+# the bias, slope_scale x m_h x distance, stays finite in fp32 for any distance below 2^31
+MAX_SLOPE_SCALE = 1e6
+PARAMS = (
+    Param("rope", "ntk", "choice", choices=tuple(ROPE_METHODS), nullable=True, doc="the rotary method; None: plain RoPE"),
+    Param("w", None, "size", lo=0, none="the original window", doc="the bias-free distance, in tokens"),
+    Param(
+        "heads",
+        None,
+        "list",
+        item=Param("head", kind="size", lo=0),
+        distinct=True,
+        sort=True,
+        none="all heads",
+        doc="head indices",
+    ),
+    Param("slope_scale", 1.0, "float", lo=0, lo_open=True, hi=MAX_SLOPE_SCALE, doc="multiplies every slope"),
+    Param("trainable", False, "bool", doc="the slopes as an nn.Parameter, saved with the model"),
+)
+DEFAULT_ROPE = PARAMS[0].default
 SUMMARY = "RoPE (scaled by `rope` at the factor, or plain) plus ALiBi's linear bias past distance w"
 FORMULA = "logits[h,i,j] += -slope_scale * m_h * max(0, i - j - w) for j <= i; m_h = 2^(-8h/H)"
 
@@ -62,8 +80,6 @@ FORMULA = "logits[h,i,j] += -slope_scale * m_h * max(0, i - j - w) for j <= i; m
 MASK_BYTES = 32 << 20
 QUERY_ROWS = 256
 MAX_CHUNKS = 16
-# the bias, slope_scale x m_h x distance, stays finite in fp32 for any distance below 2^31
-MAX_SLOPE_SCALE = 1e6
 
 MASK_BACKENDS = ("eager", "sdpa")  # take an additive [B, H, Sq, Sk] mask
 BACKENDS = (*MASK_BACKENDS, "flex_attention", "flash_attention_2")
@@ -78,23 +94,6 @@ class HybridMethod(Method):
 
     def bind(self, params: dict) -> HybridMethod:
         return hybrid_method(params)
-
-    def validate(self, factor, params: dict) -> dict:
-        self.check_known(params, f"{NAME} with rope={params.get('rope', PARAMS['rope'])!r}")
-        own = {**PARAMS, **{k: v for k, v in params.items() if k in PARAMS}}
-        if own["w"] is not None:
-            own["w"] = as_size(own["w"], f"{NAME}: w (the bias-free distance in tokens, or None for the original window)", 0)
-        if own["slope_scale"] is not None and not isinstance(own["slope_scale"], bool):
-            own["slope_scale"] = as_number(own["slope_scale"], f"{NAME}: slope_scale")
-            if not own["slope_scale"] <= MAX_SLOPE_SCALE:
-                raise ValueError(
-                    f"{NAME}: slope_scale must be a finite number in (0, {MAX_SLOPE_SCALE:g}], got {own['slope_scale']!r}"
-                )
-        own = _checked(own)
-        rope_params = {k: v for k, v in params.items() if k not in PARAMS}
-        # With rope=None the factor still has to be a number > 1: it sets max_length.
-        rotary = self.rope or Method(NAME, self.fn, self.summary, self.formula)
-        return {**own, **rotary.validate(factor, rope_params)}
 
     @property
     def requires(self) -> Requires:
@@ -143,7 +142,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
 def hybrid_method(params: dict) -> HybridMethod:
     """The alibi_hybrid Method for `params["rope"]` (default "ntk"); ValueError on an unknown rope."""
-    rope = params.get("rope", PARAMS["rope"])
+    rope = params.get("rope", DEFAULT_ROPE)
     if rope is not None and (not isinstance(rope, str) or rope not in ROPE_METHODS):
         raise ValueError(f"{NAME}: unknown rope method {rope!r}; use None (plain RoPE) or one of: {', '.join(ROPE_METHODS)}")
     inner = ROPE_METHODS[rope] if rope is not None else None
@@ -158,7 +157,8 @@ def hybrid_method(params: dict) -> HybridMethod:
         frequencies,
         SUMMARY,
         FORMULA,
-        params={**PARAMS, "rope": rope, **(inner.params if inner else {})},
+        params=(replace(PARAMS[0], default=rope), *PARAMS[1:], *(inner.params.values() if inner else ())),
+        constraints=inner.constraints if inner else (),
         rotation=inner.rotation if inner else "static",
         follows_length=bool(inner and inner.follows_length),
         rope=inner,
@@ -166,32 +166,6 @@ def hybrid_method(params: dict) -> HybridMethod:
 
 
 METHOD = hybrid_method({})  # registered with its default rope; `bind` picks the user's
-
-
-def _checked(params: dict) -> dict:
-    w = params["w"]
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-        raise ValueError(
-            f"{NAME}: w (the bias-free distance, in tokens) must be an int >= 0, or None for the original window; got {w!r}"
-        )
-    scale = params["slope_scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{NAME}: slope_scale must be a finite number > 0, got {scale!r}")
-    heads = params["heads"]
-    if heads is not None:
-        if (
-            not isinstance(heads, (list, tuple))
-            or not heads
-            or any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in heads)
-            or len(set(heads)) != len(heads)
-        ):
-            raise ValueError(
-                f"{NAME}: heads must be None (all heads) or a non-empty list of distinct head indices, got {heads!r}"
-            )
-        heads = sorted(heads)
-    if not isinstance(params["trainable"], bool):
-        raise ValueError(f"{NAME}: trainable must be True or False, got {params['trainable']!r}")
-    return {**params, "w": w, "slope_scale": float(scale), "heads": heads}
 
 
 def check_backend(backend: str, w: int, trainable: bool) -> None:

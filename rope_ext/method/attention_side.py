@@ -6,9 +6,8 @@ keeps keys before rotation (rotation="attention", rope_ext.rotary), so one forwa
 prefill and token-by-token decoding give the same numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
 config keeps its trained window. The base owns:
 
-- the validate template: unknown names, the sizes the method declares (`sizes`), every flag
-  (`causal` where `switches`, the query scales where `takes_query_scales`, a method's own), the factor; then the
-  method's own rules (`check`);
+- its parameters are Params like every method's (rope_ext.method.base), checked by Method.validate;
+  `causal` applies where the method `switches`, the query scales where `takes_query_scales`;
 - what it requires of the model (`requires`, checked by rope_ext.method.base.refusal): its
   attention backends (`backends`), causal softmax attention over every key of the patch's length,
   and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
@@ -37,16 +36,7 @@ from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, h
 from rope_ext.attention.rotate import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 
-from .base import (
-    SCHEDULE_PARAMS,
-    FrequencyFn,
-    Method,
-    ModelFacts,
-    Requires,
-    as_size,
-    check_query_scales,
-    default_inv_freq,
-)
+from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
 
 # the schedule as records written before this base held it for every method that keeps keys before rotation
 RECORDED_SCHEDULE = {"causal": True, "granularity": 1}
@@ -60,10 +50,8 @@ def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params)
 @dataclass(frozen=True)
 class AttentionMethod(Method):
     """A method that attends at other positions (with the trained frequencies unless it gives its
-    own `fn`). A subclass sets
-    `transform` (its RotateInAttention) and may declare `sizes` ({parameter: smallest value}: an
-    int, or also None where that is its default), and overrides `check` and `derive` for its own
-    rules."""
+    own `fn`). A subclass sets `transform` (its RotateInAttention) and overrides `derive` for what
+    it derives from the model."""
 
     fn: FrequencyFn = field(default=trained_frequencies, kw_only=True)
     rotation: str = "attention"
@@ -77,31 +65,18 @@ class AttentionMethod(Method):
     # that hides keys (RotateInAttention.one_sequence): a model with sliding-window layers is refused.
     chooses_keys: ClassVar[bool] = False
     transform: ClassVar[type] = RotateInAttention
-    sizes: ClassVar[dict] = {}
 
     @property
     def schedule(self) -> tuple[str, ...]:
         return ("causal",) if self.switches else ()
 
     def validate(self, factor, params: dict) -> dict:
-        self.check_known({k: v for k, v in params.items() if k not in SCHEDULE_PARAMS})
-        merged = {**self.all_params, **params}
-        self._drop_fixed_schedule(merged)
-        for key, minimum in self.sizes.items():
-            optional = self.params[key] is None
-            if merged[key] is not None or not optional:
-                merged[key] = as_size(
-                    merged[key], f"{self.name}: {key}" + (" (or None for the default)" if optional else ""), minimum
-                )
-        for flag in (key for key, default in self.all_params.items() if isinstance(default, bool)):
-            if not isinstance(merged[flag], bool):
-                raise ValueError(f"{self.name}: {flag} must be True or False, got {merged[flag]!r}")
-        if self.takes_query_scales:
-            check_query_scales(self.name, merged)
-        merged = self.check(factor, merged)
-        if factor is not None:
-            self.accept_factor(factor)
-        return merged
+        """Method.validate, once the schedule a record written before this base holds is dropped
+        where it does not apply (`_drop_fixed_schedule`): records' compatibility, not a rule of a
+        method."""
+        params = dict(params)
+        self._drop_fixed_schedule(params)
+        return super().validate(factor, params)
 
     def _drop_fixed_schedule(self, params: dict) -> None:
         """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
@@ -118,10 +93,6 @@ class AttentionMethod(Method):
             f"{self.name}: causal and granularity do not apply (every query's positions follow from its own "
             f"position); got causal={shown['causal']!r}, granularity={shown['granularity']!r}"
         )
-
-    def check(self, factor, params: dict) -> dict:
-        """The method's own rules on `params` (declared sizes already checked); returns them."""
-        return params
 
     @property
     def requires(self) -> Requires:

@@ -1,6 +1,7 @@
 """The contract every context-extension method meets.
 
-A method is a `Method`: a name, parameters with defaults and their validation, and one pure
+A method is a `Method`: a name, its parameters as data (`Param`s: kind, bounds, default, and the
+`constraints` between them, which `Method.validate` checks for every method alike), and one pure
 frequency function `(geometry, seq_len, *, factor, **params) -> (inv_freq, attention_factor)`.
 What a method may add is declared on it, never special-cased by the orchestration
 (rope_ext.patching):
@@ -65,7 +66,7 @@ FrequencyFn = Callable[..., "tuple[torch.Tensor, float]"]
 # token-by-token decoding; causal=False uses one scaling per forward from its longest position, as
 # transformers does. granularity=g re-scales every g tokens past the window instead of every token;
 # None, the default, is 1/GRANULARITY_PARTS of the trained window (`default_granularity`).
-SCHEDULE_PARAMS = {"causal": True, "granularity": None}
+# SCHEDULE_PARAMS (below, with the Params): their defaults.
 # A forward past the window attends in one group per scaling, each against its whole key prefix, so
 # its cost grows as the number of groups: at granularity 1 a 9216-token prompt over an 8192 window
 # took 70.8 s on an H200 where plain takes 0.1 (docs/gpu.md). At window / 8 a prompt at 4x the
@@ -87,7 +88,7 @@ ROTATIONS = ("static", "attention")
 # - `attn_scale` and `floor_scale`, Llama 4's attention temperature (transformers' Llama4TextAttention,
 #   its config's attn_scale and floor_scale; docs/logn.md): the rotated query at position p times
 #   1 + attn_scale * log1p(floor((p + 1) / floor_scale)); attn_scale 0 is off, floor_scale None is L.
-QUERY_SCALE_PARAMS = {"logn": False, "attn_scale": 0.0, "floor_scale": None}
+# QUERY_SCALE_PARAMS (below, with the Params): their defaults.
 
 # Bounds that keep the arithmetic finite: positions and windows are int64 tensors that a product
 # of two such sizes must not overflow; the max_length of factor x window must be an int; cos/sin
@@ -99,6 +100,204 @@ UNGROUPED_BACKENDS = ("flex_attention",)
 MAX_POSITIONS = 2**31 - 1
 MAX_FACTOR = 2.0**20
 MAX_ATTENTION_FACTOR = 100.0
+
+
+PARAM_KINDS = ("bool", "number", "float", "size", "choice", "list")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a method, as data (the shape of peft's LoraConfig fields): `Method.validate`
+    checks every parameter by its Param, so a method declares its parameters and writes no check.
+
+    - `kind` (PARAM_KINDS): "bool", True or False; "number", an int or float, kept as given (numpy
+      scalars and 0-d tensors as the Python number they hold); "float", a number as a float;
+      "size", an int in [lo, MAX_POSITIONS] (a token count, a group size); "choice", one of
+      `choices`; "list", a non-empty list (or 1-D tensor or array) of `item`s, or the name of one
+      of its `presets`;
+    - `lo`, `hi`: the bounds of a number (either may be None), `lo_open`/`hi_open` leaving them out;
+      a size's `lo` (its hi is MAX_POSITIONS);
+    - `nullable`: None is a value (by default where the default is None), `none` saying what it
+      stands for in messages ("the default", "ReRoPE"); `required`: a default None that the caller
+      must replace;
+    - `words`: strings a number also takes (rerope's leak "auto"); `distinct`, `sort`: of a list;
+    - `doc`: what the parameter is, said in messages; `phrase`: how a number's bounds read in one,
+      from {interval} ("(0, 1]"), {lower} ("> 0"), {upper} ("<= 1"), when not "a finite number in
+      {interval}" (or "a finite number {lower}" of a bound on one side)."""
+
+    name: str
+    default: object = None
+    kind: str = "number"
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    nullable: bool | None = None
+    none: str = ""
+    required: bool = False
+    choices: tuple = ()
+    words: tuple = ()
+    item: Param | None = None
+    presets: tuple = ()  # (name, values) pairs
+    distinct: bool = False
+    sort: bool = False
+    doc: str = ""
+    phrase: str = ""
+
+    def __post_init__(self):
+        if self.kind not in PARAM_KINDS:
+            raise ValueError(f"parameter {self.name}: kind must be one of {PARAM_KINDS}, got {self.kind!r}")
+        if self.nullable is None:
+            object.__setattr__(self, "nullable", self.default is None and not self.required)
+        if (self.kind == "list") != (self.item is not None):
+            raise ValueError(f"parameter {self.name}: a list, and only a list, has an item")
+
+    def bounds(self) -> str:
+        """How the bounds of a number read in a message."""
+        lower = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {_shown(self.lo)}"
+        upper = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {_shown(self.hi)}"
+        interval = (
+            f"{'(' if self.lo_open else '['}{_shown(self.lo)}, {_shown(self.hi)}{')' if self.hi_open else ']'}"
+            if lower and upper
+            else ""
+        )
+        phrase = self.phrase or (f"a finite number in {interval}" if lower and upper else f"a finite number {lower or upper}")
+        return phrase.format(interval=interval, lower=lower, upper=upper)
+
+    def check(self, method: str, value, name: str | None = None):
+        """`value` checked and in its canonical form (a Python number, a list); ValueError naming
+        `method` and the parameter (`name`, for an item of a list) otherwise."""
+        name = name or self.name
+        if value is None and self.nullable:
+            return None
+        if self.kind == "bool":
+            if not isinstance(value, bool):
+                accepted = "True, False or None" if self.nullable else "True or False"
+                raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
+            return value
+        if self.kind == "size":
+            note = f" (or None for {self.none})" if self.nullable and self.none else ""
+            return as_size(value, f"{method}: {name}{note}", 1 if self.lo is None else self.lo)
+        if self.kind == "choice":
+            if isinstance(value, bool) or value not in self.choices:
+                accepted = ("None or " if self.nullable else "") + "one of " + ", ".join(map(repr, self.choices))
+                raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
+            return value
+        if self.kind == "list":
+            return self._check_list(method, name, value)
+        return self._check_number(method, name, value)
+
+    def _check_number(self, method: str, name: str, value):
+        if isinstance(value, str) and value in self.words:
+            return value
+        try:
+            number = as_number(value, f"{method}: parameter {name}")
+        except ValueError:
+            if not (self.words or self.none):
+                raise
+            accepted = ([f"None ({self.none})"] if self.nullable and self.none else []) + [repr(w) for w in self.words]
+            lower = "" if self.lo is None else f" {'>' if self.lo_open else '>='} {_shown(self.lo)}"
+            raise ValueError(f"{method}: {name} must be {', '.join(accepted)} or a number{lower}, got {value!r}") from None
+        inside = math.isfinite(number) and (
+            (self.lo is None or (number > self.lo if self.lo_open else number >= self.lo))
+            and (self.hi is None or (number < self.hi if self.hi_open else number <= self.hi))
+        )
+        if not inside:
+            if self.lo is None and self.hi is None:
+                raise ValueError(f"{method}: parameter {name}={number!r} must be a finite number")
+            why = f" ({self.doc})" if self.doc else ""
+            raise ValueError(f"{method}: {name} must be {self.bounds()}{why}, got {value!r}")
+        return float(number) if self.kind == "float" else number
+
+    def _check_list(self, method: str, name: str, value) -> list:
+        presets = dict(self.presets)
+        if presets and isinstance(value, str):
+            if value not in presets:
+                raise ValueError(f"{method}: unknown {name} preset {value!r}; presets: {', '.join(presets)}")
+            return list(presets[value])
+        if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+            value = value.tolist()
+        items = (
+            [self.item.check(method, item, f"{name}[{i}]") for i, item in enumerate(value)]
+            if (isinstance(value, (list, tuple)) and value)
+            else None
+        )
+        if items is None or (self.distinct and len(set(items)) != len(items)):
+            nouns = ("distinct " if self.distinct else "") + ("ints" if self.item.kind == "size" else "numbers")
+            accepted = (f"None ({self.none}) or " if self.nullable and self.none else "") + f"a non-empty list of {nouns}"
+            why = f" ({self.doc})" if self.doc else ""
+            preset = f" or a preset ({', '.join(presets)})" if presets else ""
+            raise ValueError(f"{method}: {name} must be {accepted}{why}{preset}, got {value!r}")
+        return sorted(items) if self.sort else items
+
+
+def _shown(bound) -> str:
+    """A bound as a message shows it: an int as itself, a float as %g where that is exact, else
+    as the integer it is or 1/N."""
+    if isinstance(bound, int) or float(f"{bound:g}") == bound:
+        return f"{bound:g}" if isinstance(bound, float) else str(bound)
+    if float(bound).is_integer():
+        return str(int(bound))
+    if 0 < bound < 1 and (1 / bound).is_integer():
+        return f"1/{int(1 / bound)}"
+    return repr(bound)
+
+
+@dataclass(frozen=True)
+class Ordered:
+    """A constraint between parameters: params[names[0]] > params[names[1]] > ... > 0 (yarn's
+    beta_fast > beta_slow, llama3's high_freq_factor > low_freq_factor)."""
+
+    names: tuple[str, ...]
+
+    def check(self, method: str, factor, params: dict) -> None:
+        values = [params[name] for name in self.names]
+        if not all(a > b for a, b in zip(values, [*values[1:], 0])):
+            raise ValueError(f"{method}: need {' > '.join(self.names)} > 0, got {', '.join(map(str, values))}")
+
+
+@dataclass(frozen=True)
+class AtLeast:
+    """A size's floor beyond its kind's (self_extend's group >= 2), with the reason."""
+
+    name: str
+    value: int
+    why: str
+
+    def check(self, method: str, factor, params: dict) -> None:
+        if params[self.name] is not None and params[self.name] < self.value:
+            raise ValueError(f"{method}: {self.name} must be >= {self.value} ({self.why}), got {params[self.name]}")
+
+
+@dataclass(frozen=True)
+class FactorOr:
+    """Without a factor, parameter `name` must give the length (self_extend's group, rerope's leak):
+    the values in `without` do not, each with why (or "")."""
+
+    name: str
+    alternative: str  # what the caller may give instead, with an example
+    without: tuple = ((None, ""),)
+
+    def check(self, method: str, factor, params: dict) -> None:
+        reasons = dict(self.without)
+        value = params[self.name]
+        if factor is not None or isinstance(value, bool) or value not in reasons:
+            return
+        why = reasons[value]
+        raise ValueError(f"{method} needs a factor (e.g. factor=4){f': {why}; or give' if why else ' or'} {self.alternative}")
+
+
+SCHEDULE = (
+    Param("causal", True, "bool", doc="each query at the scaling of the length it has seen"),
+    Param("granularity", None, "size", lo=1, doc="re-scale every this many tokens; None: 1/8 of the trained window"),
+)
+SCHEDULE_PARAMS = {p.name: p.default for p in SCHEDULE}
+QUERY_SCALES = (
+    Param("logn", False, "bool", doc="Qwen's log-n scale of queries past the trained window"),
+    Param("attn_scale", 0.0, "float", lo=0, doc="0: no temperature"),
+    Param("floor_scale", None, "size", lo=1, none="the trained window"),
+)
+QUERY_SCALE_PARAMS = {p.name: p.default for p in QUERY_SCALES}
 
 
 @dataclass(frozen=True)
@@ -199,20 +398,25 @@ def refusal(method: Method, facts: ModelFacts, length: int) -> str | None:
 
 @dataclass(frozen=True)
 class Method:
-    """A registered method: its frequency function, parameters with defaults, and how it behaves."""
+    """A registered method: its frequency function, parameters as data (`params`, given as a
+    sequence of `Param`s and kept by name; `constraints` between them), and how it behaves."""
 
     name: str
     fn: FrequencyFn
     summary: str
     formula: str
-    params: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)  # {name: Param}
+    constraints: tuple = ()  # Ordered, AtLeast, FactorOr, ...: checked after every Param
     rotation: str = "static"  # ROTATIONS: where queries and keys are rotated
     follows_length: bool = False  # the frequencies depend on the length a query has seen
     window_step: bool = False  # ... only on whether it is past the trained window
     factor_required: bool = True
+    factor_one: bool = False  # the patch may also be for the trained window itself (factor 1)
     takes_query_scales: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.params, dict):
+            object.__setattr__(self, "params", {p.name: p for p in self.params})
         if self.rotation not in ROTATIONS:
             raise ValueError(f"{self.name}: rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.follows_length and self.rotation != "attention":
@@ -248,54 +452,51 @@ class Method:
         return tuple(SCHEDULE_PARAMS) if self.follows_length else ()
 
     @property
-    def all_params(self) -> dict:
+    def specs(self) -> dict:
+        """{name: Param} of every parameter the method takes: its own, the schedule's that apply,
+        the query scales where it takes them."""
         return {
             **self.params,
-            **{k: SCHEDULE_PARAMS[k] for k in self.schedule},
-            **(QUERY_SCALE_PARAMS if self.takes_query_scales else {}),
+            **{p.name: p for p in SCHEDULE if p.name in self.schedule},
+            **({p.name: p for p in QUERY_SCALES} if self.takes_query_scales else {}),
         }
+
+    @property
+    def all_params(self) -> dict:
+        """{name: default} of every parameter the method takes."""
+        return {name: spec.default for name, spec in self.specs.items()}
 
     def bind(self, params: dict) -> Method:
         return self
 
     def validate(self, factor, params: dict) -> dict:
         """Checked parameters with defaults filled in, numbers as Python ints and floats; raises
-        ValueError on anything wrong."""
-        self.accept_factor(factor)
-        self.check_known(params)
-        merged = {**self.all_params, **params}
-        for key, default in self.all_params.items():
-            if isinstance(default, bool):
-                if not isinstance(merged[key], bool):
-                    raise ValueError(f"{self.name}: {key} must be True or False, got {merged[key]!r}")
-            elif merged[key] is not None:
-                merged[key] = as_number(merged[key], f"{self.name}: parameter {key}")
-                if not math.isfinite(merged[key]):
-                    raise ValueError(f"{self.name}: parameter {key}={merged[key]!r} must be a finite number")
-        if self.follows_length:
-            check_schedule(self.name, merged)
-        if self.takes_query_scales:
-            check_query_scales(self.name, merged)
-        if "beta_fast" in merged and not merged["beta_fast"] > merged["beta_slow"] > 0:
-            raise ValueError(f"{self.name}: need beta_fast > beta_slow > 0, got {merged['beta_fast']}, {merged['beta_slow']}")
-        if "high_freq_factor" in merged and not merged["high_freq_factor"] > merged["low_freq_factor"] > 0:
-            raise ValueError(f"{self.name}: need high_freq_factor > low_freq_factor > 0")
-        if merged.get("attention_factor") is not None and not 0 < merged["attention_factor"] <= MAX_ATTENTION_FACTOR:
-            raise ValueError(
-                f"{self.name}: attention_factor must be in (0, {MAX_ATTENTION_FACTOR:g}], got {merged['attention_factor']!r}"
-            )
+        ValueError on anything wrong. Every method's check: the factor (where one is given or
+        needed), the names, each parameter by its Param, then the `constraints`."""
+        if factor is not None or self.factor_required:
+            self.accept_factor(factor)
+        self._check_known(params)
+        specs = self.specs
+        for name, spec in specs.items():
+            if spec.required and params.get(name) is None:
+                raise ValueError(f"{self.name}: {name} is required ({spec.doc})")
+        merged = {name: spec.check(self.name, params.get(name, spec.default)) for name, spec in specs.items()}
+        for constraint in self.constraints:
+            constraint.check(self.name, factor, merged)
         return merged
 
     def accept_factor(self, factor) -> float:
         """`factor` as a float: the length the patch is meant for over the trained window, > 1
-        (a method also meant for the trained window itself accepts 1)."""
+        (or 1, for a method with `factor_one`)."""
+        if self.factor_one and factor == 1 and not isinstance(factor, bool):
+            return 1.0
         return check_factor(factor)
 
-    def check_known(self, params: dict, context: str = "") -> None:
+    def _check_known(self, params: dict) -> None:
         unknown = sorted(set(params) - set(self.all_params))
         if unknown:
             allowed = ", ".join(self.all_params) or "none"
-            raise ValueError(f"unknown parameter(s) {unknown} for {context or f'method {self.name!r}'}; allowed: {allowed}")
+            raise ValueError(f"unknown parameter(s) {unknown} for method {self.name!r}; allowed: {allowed}")
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         if "granularity" in self.schedule and params.get("granularity") is None:
@@ -367,16 +568,6 @@ def as_size(value, what: str, minimum: int = 1) -> int:
     return number
 
 
-def check_query_scales(name: str, params: dict) -> None:
-    """Llama 4's temperature parameters in `params` checked, as Python numbers in place."""
-    beta = as_number(params["attn_scale"], f"{name}: attn_scale")
-    if not (math.isfinite(beta) and beta >= 0):
-        raise ValueError(f"{name}: attn_scale must be a finite number >= 0 (0: no temperature), got {params['attn_scale']!r}")
-    params["attn_scale"] = float(beta)
-    if params["floor_scale"] is not None:
-        params["floor_scale"] = as_size(params["floor_scale"], f"{name}: floor_scale (or None for the trained window)", 1)
-
-
 def check_factor(factor) -> float:
     """`factor` as a float in (1, MAX_FACTOR]; ValueError naming what is accepted."""
     accepted = f"factor must be a finite number > 1 and <= {MAX_FACTOR:.0f}"
@@ -387,13 +578,6 @@ def check_factor(factor) -> float:
     if not math.isfinite(number) or not 1 < number <= MAX_FACTOR:
         raise ValueError(f"{accepted}, got {factor!r}")
     return float(number)
-
-
-def check_schedule(name: str, params: dict) -> None:
-    if not isinstance(params["causal"], bool):
-        raise ValueError(f"{name}: causal must be True or False, got {params['causal']!r}")
-    if params.get("granularity") is not None:
-        params["granularity"] = as_size(params["granularity"], f"{name}: granularity")
 
 
 def default_inv_freq(geom: RotaryGeometry, base: float | torch.Tensor | None = None) -> torch.Tensor:

@@ -62,11 +62,16 @@ from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, m
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts
+from .base import ModelFacts, Param
 from .stated import CONFIG_KEY, stated_sizes
 
 NAME = "dca"
-PARAMS = {"chunk_size": None, "local_size": None, "temperature": None}
+# chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
+PARAMS = (
+    Param("chunk_size", None, "size", lo=2, none="the default", doc="c: the chunk, at most the trained window"),
+    Param("local_size", None, "size", lo=1, none="the default", doc="local: c - local is the chunk's stride s"),
+    Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
+)
 SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax, Qwen's length temperature"
 FORMULA = (
     "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c) (previous chunk), min(2s-1, c) (earlier); "
@@ -215,15 +220,8 @@ class DualChunkMethod(AttentionMethod):
     decide it, whether that config states original_max_position_embeddings; the attention is
     `DualChunkAttention`."""
 
-    # chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
-    sizes: ClassVar[dict] = {"chunk_size": 2, "local_size": 1}
     transform: ClassVar[type] = DualChunkAttention
     chooses_keys: ClassVar[bool] = True
-
-    def check(self, factor, params: dict) -> dict:
-        if params["temperature"] is not None and not isinstance(params["temperature"], bool):
-            raise ValueError(f"{self.name}: temperature must be True, False or None, got {params['temperature']!r}")
-        return params
 
     def stale_record(self, params: dict) -> str | None:
         if "temperature" in params:
@@ -260,6 +258,4 @@ class DualChunkMethod(AttentionMethod):
 
 
 # `causal` chooses the length n of the temperature; with it off, n plays no part
-METHOD = DualChunkMethod(
-    NAME, SUMMARY, FORMULA, params=dict(PARAMS), takes_query_scales=True, switches="Qwen's length temperature"
-)
+METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=PARAMS, takes_query_scales=True, switches="Qwen's length temperature")

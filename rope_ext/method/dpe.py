@@ -56,11 +56,10 @@ import torch
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import ModelFacts, as_size
+from .base import ModelFacts, Param
 from .self_extend import choose_group
 
 NAME = "dpe"
-PARAMS = {"scales": None, "window": None, "inside_window": False}
 SUMMARY = "DPE: exact positions for neighbours; distant keys at positions scaled per group of RoPE dimensions"
 FORMULA = "i-j < W: positions (i, j); else in frequency group g: (floor(i/s_g) + W - floor(W/s_g), floor(j/s_g)); one softmax"
 
@@ -69,6 +68,18 @@ FORMULA = "i-j < W: positions (i, j); else in frequency group g: (floor(i/s_g) +
 # local window 1024 and 8 groups of 8 of Llama-3-8B's 64 pairs, for 128k tokens over its 8192.
 PRESETS = {"llama3-8b-instruct": (4, 4, 2, 16, 32, 32, 16, 128)}
 WINDOW_FRACTION = 8  # W = L / 8: the authors' 1024 of 8192
+PARAMS = (
+    Param(
+        "scales",
+        None,
+        "list",
+        item=Param("scale", kind="size", lo=1),
+        presets=tuple(PRESETS.items()),
+        doc="one per group of frequency pairs",
+    ),
+    Param("window", None, "size", lo=1, none="the default", doc="W: keys within W tokens keep their positions"),
+    Param("inside_window", False, "bool", doc="queries inside the trained window attend in two parts too"),
+)
 
 
 def group_distances(target: int, scales: list[int], window: int) -> list[int]:
@@ -79,31 +90,11 @@ def group_distances(target: int, scales: list[int], window: int) -> list[int]:
     return [(target - 1) // s + window - window // s for s in scales]
 
 
-def as_scales(value) -> list[int]:
-    """`value` (a preset name, or a list or tuple of ints, or a 1-D tensor or array) as a list of ints >= 1."""
-    if isinstance(value, str):
-        if value not in PRESETS:
-            raise ValueError(f"{NAME}: unknown scales preset {value!r}; presets: {', '.join(PRESETS)}")
-        return list(PRESETS[value])
-    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(
-            f"{NAME}: scales must be a non-empty list of ints (one per group of frequency pairs) or a preset "
-            f"({', '.join(PRESETS)}), got {value!r}"
-        )
-    return [as_size(item, f"{NAME}: scales[{i}]") for i, item in enumerate(value)]
-
-
 @dataclass(frozen=True)
 class DpeMethod(TwoPartMethod):
     """DPE's per-group scales and local window, as the two-part engine's grouped distant positions."""
 
-    sizes: ClassVar[dict] = {"window": 1}
     grouped: ClassVar[bool] = True
-
-    def check(self, factor, params: dict) -> dict:
-        return params if params["scales"] is None else {**params, "scales": as_scales(params["scales"])}
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained, pairs = geometry.original_window, geometry.rotary_dim // 2
@@ -146,4 +137,4 @@ class DpeMethod(TwoPartMethod):
         return torch.div(k_pos[..., None], torch.tensor(params["scales"], device=k_pos.device), rounding_mode="floor")
 
 
-METHOD = DpeMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS))
+METHOD = DpeMethod(NAME, SUMMARY, FORMULA, params=PARAMS)

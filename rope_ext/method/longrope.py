@@ -27,7 +27,8 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import MAX_FACTOR, Method, ModelFacts, as_number
+from .base import MAX_FACTOR, Method, ModelFacts, Param
+from .rope import ATTENTION_FACTOR
 
 NAME = "longrope"
 FACTOR_LISTS = ("short_factor", "long_factor")
@@ -61,32 +62,15 @@ def longrope(
     return inv_freq, scale
 
 
-def as_factor_list(value, what: str) -> list[float]:
-    """`value` (a list or tuple of numbers, or a 1-D tensor or array) as a list of Python floats,
-    each in [1 / MAX_FACTOR, MAX_FACTOR]: a factor that rounds to 0 or to a subnormal in fp32 (1e-40,
-    1e-300) would give infinite frequencies and NaN logits."""
-    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"{what} must be a non-empty list of numbers (one rescale factor per rotated pair), got {value!r}")
-    numbers = [as_number(item, f"{what}[{i}]") for i, item in enumerate(value)]
-    for i, number in enumerate(numbers):
-        if not (math.isfinite(number) and 1 / MAX_FACTOR <= number <= MAX_FACTOR):
-            raise ValueError(f"{what}[{i}] must be a finite number in [1/{MAX_FACTOR:.0f}, {MAX_FACTOR:.0f}], got {number!r}")
-    return [float(number) for number in numbers]
+# A rescale factor: one that rounds to 0 or to a subnormal in fp32 (1e-40, 1e-300) would give
+# infinite frequencies and NaN logits.
+RESCALE = Param("rescale", kind="float", lo=1 / MAX_FACTOR, hi=MAX_FACTOR)
 
 
 @dataclass(frozen=True)
 class LongRopeMethod(Method):
-    """The factor lists are checked as lists here and against the rotary dim in `resolve`;
-    `short_factor` defaults to ones (the trained frequencies inside the window)."""
-
-    def validate(self, factor, params: dict) -> dict:
-        lists = {key: params[key] for key in FACTOR_LISTS if params.get(key) is not None}
-        if "long_factor" not in lists:
-            raise ValueError(f"{self.name}: long_factor is required (a list of D/2 rescale factors, D the rotary dim)")
-        merged = super().validate(factor, {k: v for k, v in params.items() if k not in FACTOR_LISTS})
-        return {**merged, **{key: as_factor_list(value, f"{self.name}: {key}") for key, value in lists.items()}}
+    """The factor lists are checked as lists by their Params and against the rotary dim in
+    `resolve`; `short_factor` defaults to ones (the trained frequencies inside the window)."""
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         factor, params = super().resolve(facts, geometry, factor, params)
@@ -122,7 +106,15 @@ METHOD = LongRopeMethod(
     longrope,
     "LongRoPE: per-pair rescale factors, short inside the window, long past it",
     "theta_i / short_i at p < L, theta_i / long_i past it; cos, sin * sqrt(1 + ln s / ln L)",
-    params={"short_factor": None, "long_factor": None, "attention_factor": None},
+    params=(
+        Param(
+            "short_factor", None, "list", item=RESCALE, doc="D/2 rescale factors inside the window, D the rotary dim; None: ones"
+        ),
+        Param(
+            "long_factor", None, "list", item=RESCALE, required=True, doc="D/2 rescale factors past the window, D the rotary dim"
+        ),
+        ATTENTION_FACTOR,
+    ),
     rotation="attention",
     follows_length=True,
     window_step=True,

@@ -51,20 +51,42 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import ClassVar
 
 import torch
 
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import MAX_FACTOR, ModelFacts, as_number
+from .base import MAX_FACTOR, FactorOr, ModelFacts, Param
 
 NAME = "rerope"
-PARAMS = {"window": None, "leak": None}
 SUMMARY = "ReRoPE / Leaky ReRoPE: exact distances inside a window, w + (d - w)/k past it (k = infinity: w)"
 FORMULA = "i-j < w: distance i-j; else w + (i-j-w)/k (leak k), or w (ReRoPE, leak None); one softmax"
 AUTO = "auto"  # leak: the smallest integer leak that reaches the factor
+PARAMS = (
+    Param("window", None, "size", lo=1, none="the default", doc="w: distances below it are exact"),
+    Param(
+        "leak",
+        None,
+        lo=1,
+        lo_open=True,
+        hi=MAX_FACTOR,
+        none="ReRoPE",
+        words=(AUTO,),
+        phrase="a finite number {lower} and {upper}",
+        doc="leak=None is ReRoPE, the limit of a large leak",
+    ),
+)
+CONSTRAINTS = (
+    FactorOr(
+        "leak",
+        "a leak (e.g. leak=8) and the factor is its capacity",
+        (
+            (None, "ReRoPE (leak=None) reaches any length, the factor states the length it is meant for"),
+            (AUTO, f"leak={AUTO!r} picks the leak that reaches it"),
+        ),
+    ),
+)
 
 
 def capacity(window_tokens: int, window: int, leak) -> int:
@@ -98,33 +120,6 @@ class ReRoPEMethod(TwoPartMethod):
     """rerope's window and leak, with the rectified positions as the two-part engine's distant
     positions: keys at j / k and queries at i / k + w - w / k (fp32, fractional), or keys at 0 and
     queries at w for ReRoPE."""
-
-    sizes: ClassVar[dict] = {"window": 1}
-
-    def check(self, factor, params: dict) -> dict:
-        leak = params["leak"]
-        auto = isinstance(leak, str) and leak == AUTO
-        if leak is not None and not auto:
-            try:
-                leak = as_number(leak, f"{NAME}: leak")
-            except ValueError:
-                raise ValueError(f"{NAME}: leak must be None (ReRoPE), {AUTO!r} or a number > 1, got {leak!r}") from None
-            if not (math.isfinite(leak) and 1 < leak <= MAX_FACTOR):
-                raise ValueError(
-                    f"{NAME}: leak must be a finite number > 1 and <= {MAX_FACTOR:.0f} "
-                    f"(leak=None is ReRoPE, the limit of a large leak), got {leak!r}"
-                )
-        if factor is None and (leak is None or auto):
-            raise ValueError(
-                f"{NAME} needs a factor (e.g. factor=4): "
-                + (
-                    "ReRoPE (leak=None) reaches any length, the factor states the length it is meant for"
-                    if leak is None
-                    else f"leak={AUTO!r} picks the leak that reaches it"
-                )
-                + "; or give a leak (e.g. leak=8) and the factor is its capacity"
-            )
-        return {**params, "leak": leak}
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
@@ -174,5 +169,12 @@ class ReRoPEMethod(TwoPartMethod):
 
 
 METHOD = ReRoPEMethod(
-    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_query_scales=True, switches="rectified distances"
+    NAME,
+    SUMMARY,
+    FORMULA,
+    params=PARAMS,
+    constraints=CONSTRAINTS,
+    factor_required=False,
+    takes_query_scales=True,
+    switches="rectified distances",
 )

@@ -25,7 +25,7 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import MAX_FACTOR, Method, ModelFacts, default_inv_freq
+from .base import MAX_ATTENTION_FACTOR, MAX_FACTOR, Method, ModelFacts, Ordered, Param, default_inv_freq
 
 
 def ntk_base(geom: RotaryGeometry, scale: float) -> float:
@@ -203,29 +203,9 @@ class RopeMethod(Method):
 
 
 @dataclass(frozen=True)
-class NtkAlphaMethod(RopeMethod):
-    """`alpha` is required: it is the base's stretch, apart from the length factor."""
-
-    def validate(self, factor, params: dict) -> dict:
-        if params.get("alpha") is None:
-            raise ValueError(f"{self.name}: alpha is required (the base becomes base * alpha^(D/(D-2)))")
-        merged = super().validate(factor, params)
-        alpha = merged["alpha"]
-        if not (math.isfinite(alpha) and 1 <= alpha <= MAX_FACTOR):
-            raise ValueError(f"{self.name}: alpha must be a finite number >= 1 and <= {MAX_FACTOR:.0f}, got {alpha!r}")
-        return merged
-
-
-@dataclass(frozen=True)
 class ProportionalMethod(RopeMethod):
     """transformers' `proportional` takes the exponents over the whole head, so the model must
     rotate all of it; at least one pair must keep turning."""
-
-    def validate(self, factor, params: dict) -> dict:
-        merged = super().validate(factor, params)
-        if not 0 < merged["partial_rotary_factor"] <= 1:
-            raise ValueError(f"{self.name}: partial_rotary_factor must be in (0, 1], got {merged['partial_rotary_factor']!r}")
-        return merged
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         if geometry.head_dim not in (None, geometry.rotary_dim):
@@ -258,7 +238,16 @@ def _native_yarn(geometry, factor, params, rope):
     return {"rope_type": "yarn", "factor": factor, **_base(geometry, rope), **_window(geometry), **_ramp(params), **temperature}
 
 
-_YARN_PARAMS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+# YaRN's ramp: pairs that turn more than beta_fast times in the window keep their frequency, fewer
+# than beta_slow are interpolated, with a linear ramp between (`_by_parts`)
+_YARN_PARAMS = (
+    Param("beta_fast", 32.0, doc="rotations in the window above which a pair keeps its frequency"),
+    Param("beta_slow", 1.0, doc="rotations in the window below which a pair is interpolated"),
+    Param("truncate", True, "bool", doc="round the ramp's ends to whole pairs, as transformers does"),
+)
+_YARN_ORDER = (Ordered(("beta_fast", "beta_slow")),)
+# the cos and sin scale that replaces YaRN's temperature, where given; it scales logits by its square
+ATTENTION_FACTOR = Param("attention_factor", None, lo=0, lo_open=True, hi=MAX_ATTENTION_FACTOR, phrase="in {interval}")
 
 METHODS = [
     RopeMethod(
@@ -303,7 +292,13 @@ METHODS = [
         yarn,
         "YaRN: NTK-by-parts + attention temperature",
         "ramp-blend of theta_i and theta_i/s; cos, sin * (0.1 ln s + 1)",
-        params={**_YARN_PARAMS, "attention_factor": None, "mscale": None, "mscale_all_dim": None},
+        params=(
+            *_YARN_PARAMS,
+            ATTENTION_FACTOR,
+            Param("mscale", None, doc="DeepSeek's mscale: the temperature 0.1 mscale ln(s) + 1 on cos and sin"),
+            Param("mscale_all_dim", None, doc="DeepSeek's mscale_all_dim: the temperature divided by this one's"),
+        ),
+        constraints=_YARN_ORDER,
         native_fn=_native_yarn,
     ),
     RopeMethod(
@@ -312,7 +307,8 @@ METHODS = [
         "YaRN with s = max(1, L'/L)",
         # No native form: a plain reload is the unscaled model, so the config keeps its window.
         "yarn with s recomputed from the current length",
-        params=dict(_YARN_PARAMS),
+        params=_YARN_PARAMS,
+        constraints=_YARN_ORDER,
         rotation="attention",
         follows_length=True,
         takes_query_scales=True,
@@ -322,7 +318,8 @@ METHODS = [
         ntk_by_parts,
         "YaRN's frequency ramp without temperature",
         "ramp-blend of theta_i and theta_i/s",
-        params=dict(_YARN_PARAMS),
+        params=_YARN_PARAMS,
+        constraints=_YARN_ORDER,
         native_fn=lambda g, factor, params, rope: {
             "rope_type": "yarn",
             "factor": factor,
@@ -332,12 +329,22 @@ METHODS = [
             "attention_factor": 1.0,
         },
     ),
-    NtkAlphaMethod(
+    RopeMethod(
         "ntk_alpha",
         ntk_alpha,
         "HunYuan's NTK-aware base with a fixed alpha",
         "base * alpha^(D/(D-2))",
-        params={"alpha": None},
+        # `alpha` is required: it is the base's stretch, apart from the length factor
+        params=(
+            Param(
+                "alpha",
+                required=True,
+                lo=1,
+                hi=MAX_FACTOR,
+                phrase="a finite number {lower} and {upper}",
+                doc="the base becomes base * alpha^(D/(D-2))",
+            ),
+        ),
         native_fn=lambda g, factor, params, rope: {
             "rope_type": "default",
             **_base(g, rope),
@@ -349,7 +356,17 @@ METHODS = [
         proportional,
         "p-RoPE (Gemma 4's proportional): the lowest frequencies set to 0, the rest / s",
         "theta_i / s for i < p D/2, else 0",
-        params={"partial_rotary_factor": 0.25},
+        params=(
+            Param(
+                "partial_rotary_factor",
+                0.25,
+                lo=0,
+                lo_open=True,
+                hi=1,
+                phrase="in {interval}",
+                doc="the share of the head's frequencies that keep turning",
+            ),
+        ),
         native_fn=lambda g, factor, params, rope: {
             "rope_type": "proportional",
             "factor": factor,
@@ -362,7 +379,11 @@ METHODS = [
         llama3,
         "Llama 3.1 wavelength-banded scaling",
         "theta_i if lambda < L/hf; theta_i/s if lambda > L/lf; smooth blend between",
-        params={"low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        params=(
+            Param("low_freq_factor", 1.0, doc="wavelengths above L / low_freq_factor are divided by the factor"),
+            Param("high_freq_factor", 4.0, doc="wavelengths below L / high_freq_factor keep their frequency"),
+        ),
+        constraints=(Ordered(("high_freq_factor", "low_freq_factor")),),
         native_fn=lambda g, factor, params, rope: {
             "rope_type": "llama3",
             "factor": factor,

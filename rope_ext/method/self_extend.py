@@ -52,17 +52,15 @@ import math
 import warnings
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import ClassVar
 
 import torch
 
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod, default_window
-from .base import ModelFacts
+from .base import AtLeast, FactorOr, ModelFacts, Param
 
 NAME = "self_extend"
-PARAMS = {"group": None, "window": None, "group_rule": None}
 SUMMARY = "SelfExtend: exact positions for neighbours, grouped positions for distant tokens"
 FORMULA = "i-j < W: positions (i, j); else (floor(i/G) + W - floor(W/G), floor(j/G)); one softmax"
 
@@ -77,6 +75,16 @@ AUTHORS_FRACTION = Fraction(2, 3)
 # target; "authors", the smallest that also keeps the grouped span within AUTHORS_FRACTION of L.
 GROUP_RULES = ("reach", "authors")
 DEFAULT_GROUP_RULE = "reach"
+
+PARAMS = (
+    Param("group", None, "size", lo=1, none="the default", doc="G: distant positions are floor(i / G)"),
+    Param("window", None, "size", lo=1, none="the default", doc="W: keys within W tokens keep their positions"),
+    Param("group_rule", None, "choice", choices=GROUP_RULES, doc="how a group that is not given is chosen"),
+)
+CONSTRAINTS = (
+    AtLeast("group", 2, "group 1 is the unpatched model"),
+    FactorOr("group", "a group size (e.g. group=4)"),
+)
 
 
 def capacity(window_tokens: int, group: int, window: int) -> int:
@@ -164,19 +172,6 @@ class SelfExtendMethod(TwoPartMethod):
     """SelfExtend's group and window, with the grouped positions as the two-part engine's distant
     positions."""
 
-    sizes: ClassVar[dict] = {"group": 1, "window": 1}
-
-    def check(self, factor, params: dict) -> dict:
-        if params["group"] is not None and params["group"] < 2:
-            raise ValueError(f"{NAME}: group must be >= 2 (group 1 is the unpatched model), got {params['group']}")
-        if params["group_rule"] is not None and params["group_rule"] not in GROUP_RULES:
-            raise ValueError(
-                f"{NAME}: group_rule must be None or one of {', '.join(map(repr, GROUP_RULES))}, got {params['group_rule']!r}"
-            )
-        if factor is None and params["group"] is None:
-            raise ValueError(f"{NAME} needs a factor (e.g. factor=4) or a group size (e.g. group=4)")
-        return params
-
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with group, window and the group_rule that chose the group filled in) for
         this model; ValueError, changing nothing, when they do not fit its window. A group the
@@ -223,5 +218,12 @@ class SelfExtendMethod(TwoPartMethod):
 
 
 METHOD = SelfExtendMethod(
-    NAME, SUMMARY, FORMULA, params=dict(PARAMS), factor_required=False, takes_query_scales=True, switches="grouped attention"
+    NAME,
+    SUMMARY,
+    FORMULA,
+    params=PARAMS,
+    constraints=CONSTRAINTS,
+    factor_required=False,
+    takes_query_scales=True,
+    switches="grouped attention",
 )

@@ -45,10 +45,13 @@ from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import apply_rotary
 
 from .attention_side import AttentionMethod
-from .base import ModelFacts
+from .base import ModelFacts, Param
 
 NAME = "sink_window"
-PARAMS = {"sinks": 4, "window": None}  # 4 sinks: StreamingLLM's choice; window defaults to L - sinks
+PARAMS = (
+    Param("sinks", 4, "size", lo=0, doc="the first keys every query attends; 4: StreamingLLM's choice"),
+    Param("window", None, "size", lo=1, none="the default", doc="the last keys a query attends; None: L - sinks"),
+)
 SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
 FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
 
@@ -203,7 +206,6 @@ class SinkWindowMethod(AttentionMethod):
     """sink_window as an AttentionMethod: `sinks` and `window`; the attention is
     `SinkWindowAttention`, the bounded cache `SinkWindowCache`."""
 
-    sizes: ClassVar[dict] = {"sinks": 0, "window": 1}
     transform: ClassVar[type] = SinkWindowAttention
     chooses_keys: ClassVar[bool] = True
 
@@ -223,4 +225,4 @@ class SinkWindowMethod(AttentionMethod):
         return SinkWindowCache(config.get_text_config(decoder=True).num_hidden_layers, params["sinks"], params["window"])
 
 
-METHOD = SinkWindowMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS))
+METHOD = SinkWindowMethod(NAME, SUMMARY, FORMULA, params=PARAMS)

@@ -42,11 +42,15 @@ import torch
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import ModelFacts, check_factor, default_inv_freq
+from .base import ModelFacts, Param, default_inv_freq
 from .rope import yarn
 
 NAME = "string"
-PARAMS = {"shift": None, "local": None, "temperature": False}
+PARAMS = (
+    Param("shift", None, "size", lo=1, none="the default", doc="S: distances from S on move down to S - W"),
+    Param("local", None, "size", lo=0, none="the default", doc="W: what the shift moves distance S to"),
+    Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
+)
 SUMMARY = "STRING: distances past the shift S replaced by well-trained ones, d - S + W (over YaRN past the window)"
 FORMULA = "i-j < S: distance i-j; else i-j-S+W (query at i-S+W); one softmax; frequencies yarn((N-S)/L) when N - S > L"
 SHIFT_FRACTION = 0.33  # of N, the paper's default (An et al. 2025, section 4)
@@ -68,11 +72,7 @@ class StringMethod(TwoPartMethod):
     """STRING's shift and local window, as the two-part engine's near window and distant positions.
     A factor is optional: without one (or with 1) the patch is for the trained window itself."""
 
-    sizes: ClassVar[dict] = {"shift": 1, "local": 0}
     distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
-
-    def accept_factor(self, factor) -> float:
-        return 1.0 if factor == 1 and not isinstance(factor, bool) else check_factor(factor)
 
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
@@ -109,4 +109,4 @@ class StringMethod(TwoPartMethod):
         return k_pos
 
 
-METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=dict(PARAMS), fn=string_frequencies, factor_required=False)
+METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=PARAMS, fn=string_frequencies, factor_required=False, factor_one=True)
