@@ -22,7 +22,7 @@ DEFAULT_ROOT = "rope-ext-results"
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 ROPE_RATIO_MEANINGS = ("base", "positions")
 METHOD_HELP = "a method that `rope-ext methods` lists"
-# The names rope_ext.method registers, in its order (tests/test_cli.py holds the two equal): known
+# The names rope_ext.method registers, in its order (tests/cli/test_cli.py holds the two equal): known
 # here, a misspelt method is answered before torch, transformers or lm-eval load.
 METHOD_NAMES = (
     "linear",
