@@ -1,6 +1,6 @@
 """The registry's listing (`rope_ext.methods()`: name, summary, formula, parameters with their
 defaults, static or dynamic) as data shipped beside it, catalog.json, so that `rope-ext methods`
-answers without importing torch. tests/test_cli.py checks that the file is the registry's listing;
+answers without importing torch. tests/cli/test_cli.py checks that the file is the registry's listing;
 after a change to a method, `python -m rope_ext.catalog` writes it anew."""
 
 from __future__ import annotations

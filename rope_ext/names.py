@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 
-# The names rope_ext.method registers, in its order (tests/test_cli.py holds the two equal).
+# The names rope_ext.method registers, in its order (tests/cli/test_cli.py holds the two equal).
 METHOD_NAMES = (
     "linear",
     "ntk",

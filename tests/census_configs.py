@@ -1,4 +1,4 @@
-"""The tiny random models of the census (tests/test_census.py): every causal-LM architecture of the
+"""The tiny random models of the census (tests/patches/test_census.py): every causal-LM architecture of the
 installed transformers, built small enough that the census checks all of them in a few minutes on
 one core.
 
@@ -50,7 +50,7 @@ UNSET = object()  # an override that takes a SHRINK key out of the config's argu
 # experts; the sparse-attention indexer of the DSA models small, but keeping every key of the
 # census's sequences: below their length transformers' own decoding differs from its full forward
 # (by 0.02-0.05 unpatched, top-k 16), so decode == full forward could not hold for any patch.
-# tests/test_mla.py checks a top-k below the length, where the indexer refuses the methods that
+# tests/patches/test_mla.py checks a top-k below the length, where the indexer refuses the methods that
 # rotate inside attention.
 MLA = dict(
     num_key_value_heads=4,

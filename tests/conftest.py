@@ -13,6 +13,16 @@ from rope_ext.training import tiny
 
 from helpers import load_llama
 
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """The inner loop `-m "not slow"` runs tiny random models only: every `integration` test is
+    `slow` too, and so is every test of the tiny trained model, whose first run trains it."""
+    for item in items:
+        if item.get_closest_marker("integration") or "tiny_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+
+
 # The suite runs thousands of ops on tiny matrices, where a second thread costs more in
 # synchronisation than it gains (measured 4-10x slower with 2 threads on a busy 2-core machine).
 torch.set_num_threads(1)

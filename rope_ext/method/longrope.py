@@ -14,7 +14,7 @@ patch writes that `rope_parameters`. Where the three differ is the schedule unde
 - here (`causal=True`, the default) the row at position p uses the short set when p < L and the
   long set past it, with every key rotated inside attention with the set of the query that reads
   it, so one forward, chunked prefill and token-by-token decoding give the same logits (within
-  fp32 rounding: tests/test_longrope.py). `causal=False` is transformers' schedule: one set per
+  fp32 rounding: tests/method/test_longrope.py). `causal=False` is transformers' schedule: one set per
   forward, from its longest position; under a KV cache the rows computed before keep their values.
 """
 

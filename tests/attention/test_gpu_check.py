@@ -1,0 +1,64 @@
+"""bench/gpu_check.py --dry-run: the whole GPU check on the CPU at toy sizes, as the GPU runs it."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rope_ext.method import REGISTRY
+from rope_ext.method.attention_side import AttentionMethod
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+
+
+pytestmark = pytest.mark.slow  # the dry run takes long
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def dry_run(gpu_check, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu-check.json"
+    with pytest.warns(UserWarning):  # the causal schedule's many groups, the window from max_position_embeddings
+        code = gpu_check.main(["--dry-run", "--out", str(out)])
+    return code, json.loads(out.read_text())
+
+
+def test_every_method_matches_its_fp32_reference_through_fused_kernels(dry_run):
+    code, results = dry_run
+    assert code == 0
+    assert set(results["exactness"]) == set(REGISTRY)
+    for name, result in results["exactness"].items():
+        assert result["passed"], (name, result)
+        assert result["explicit_score_calls"] == 0
+        assert (result["fused_calls"] > 0) == isinstance(REGISTRY[name], AttentionMethod), name
+    assert results["provenance"]["torch"] and "git_commit" in results["provenance"]
+
+
+def test_every_variant_is_timed_against_plain_at_every_length(gpu_check, dry_run):
+    _, results = dry_run
+    runs = results["speed"]
+    assert [(r["variant"], r["length"]) for r in runs] == [
+        (v, n) for n in (160, 320) for v in [*gpu_check.SPEED, gpu_check.PLAIN_AGAIN]
+    ]
+    for run in runs:
+        assert "skipped" not in run
+        assert run["prefill_s"] > 0 and run["decode_ms"] > 0
+        plain = [r for r in runs if r["length"] == run["length"] and r["variant"].startswith("plain")]
+        assert run["prefill_vs_plain"] == pytest.approx(run["prefill_s"] / min(r["prefill_s"] for r in plain))
+        assert run["decode_vs_plain"] == pytest.approx(run["decode_ms"] / min(r["decode_ms"] for r in plain))
+
+
+def test_a_run_that_would_not_fit_the_budget_is_skipped_with_the_prediction(gpu_check, tmp_path):
+    out = tmp_path / "gpu.json"
+    with pytest.warns(UserWarning):
+        gpu_check.main(["--dry-run", "--out", str(out), "--budget-s", "0"])
+    runs = json.loads(out.read_text())["speed"]
+    assert runs and all(r["skipped"].startswith("predicted prefill") and "prefill_s" not in r for r in runs)
