@@ -43,11 +43,10 @@ class RotaryGeometry:
             raise ValueError(f"channels must be 'leading' or 'trailing', got {self.channels!r}")
         if self.head_dim is not None and self.head_dim < self.rotary_dim:
             raise ValueError(f"head_dim {self.head_dim} < rotary_dim {self.rotary_dim}")
-
-    @property
-    def pairing(self) -> tuple[str, str]:
-        """(layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin)."""
-        return self.layout, self.channels
+        # (layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin). Not a
+        # field (records and equality stay the fields'), and not a property: attention reads it in
+        # every layer, as a plain attribute, without a call.
+        object.__setattr__(self, "pairing", (self.layout, self.channels))
 
     def to_dict(self) -> dict:
         values = asdict(self)
