@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Literal
 
 Layout = Literal["half", "interleaved"]
@@ -43,10 +44,13 @@ class RotaryGeometry:
             raise ValueError(f"channels must be 'leading' or 'trailing', got {self.channels!r}")
         if self.head_dim is not None and self.head_dim < self.rotary_dim:
             raise ValueError(f"head_dim {self.head_dim} < rotary_dim {self.rotary_dim}")
-        # (layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin). Not a
-        # field (records and equality stay the fields'), and not a property: attention reads it in
-        # every layer, as a plain attribute, without a call.
-        object.__setattr__(self, "pairing", (self.layout, self.channels))
+
+    @cached_property
+    def pairing(self) -> tuple[str, str]:
+        """(layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin). Kept on
+        first use (not a field: records and equality stay the fields'): attention reads it in every
+        layer as a plain attribute, without a call."""
+        return self.layout, self.channels
 
     def to_dict(self) -> dict:
         values = asdict(self)
