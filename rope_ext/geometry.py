@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Literal
 
 Layout = Literal["half", "interleaved"]
@@ -44,9 +45,11 @@ class RotaryGeometry:
         if self.head_dim is not None and self.head_dim < self.rotary_dim:
             raise ValueError(f"head_dim {self.head_dim} < rotary_dim {self.rotary_dim}")
 
-    @property
+    @cached_property
     def pairing(self) -> tuple[str, str]:
-        """(layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin)."""
+        """(layout, channels): what `rope_ext.rotation.apply_rotary` takes after (cos, sin). Kept on
+        first use (not a field: records and equality stay the fields'): attention reads it in every
+        layer as a plain attribute, without a call."""
         return self.layout, self.channels
 
     def to_dict(self) -> dict:

@@ -247,16 +247,18 @@ class ExtendedRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
         self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
         self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
-        self._pending_cache = None
+        # The cache the running forward extends (set by before_forward, dropped by after_forward); a
+        # plain attribute, as `rotation.frame`: the attention transforms read both in every layer.
+        self.pending_cache = None
 
     def __getstate__(self):
         # pickled by torch.save(model): the method by its name; the rotation engine holds what
         # each forward leaves (the positions of each cache's keys, weakly; the frame), not state
-        state = {k: v for k, v in self.__dict__.items() if k not in ("rotation", "_pending_cache")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("rotation", "pending_cache")}
         return {**state, "method": method_reference(self.method)}
 
     def __setstate__(self, state):
-        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"]), "_pending_cache": None})
+        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"]), "pending_cache": None})
         self.rotation = DynamicRotation(self.method, self.factor, self.params, self.geometry, self.inv_freq.device)
 
     def _apply(self, fn, recurse=True):
@@ -285,7 +287,7 @@ class ExtendedRotaryEmbedding(nn.Module):
         if not self.dynamic:
             return cos_sin(self.inv_freq, self.attention_scaling, position_ids, x.dtype)
         q_pos = position_ids.expand(x.shape[0], -1)
-        cache = self._pending_cache
+        cache = self.pending_cache
         held = 0 if cache is None else cache.get_seq_length()
         self.rotation.start(q_pos, cache if held > 0 else None, held)
         # The attention layers get an identity rotation, so the cache stores un-rotated keys;
@@ -293,19 +295,14 @@ class ExtendedRotaryEmbedding(nn.Module):
         shape = (*q_pos.shape, self.geometry.rotary_dim)
         return x.new_ones(shape), x.new_zeros(shape)
 
-    @property
-    def pending_cache(self):
-        """The cache the running forward extends (set by before_forward, dropped by after_forward)."""
-        return self._pending_cache
-
     def before_forward(self, cache) -> None:
         """Called by a pre-forward hook on the decoder: the cache this forward will extend."""
-        self._pending_cache = cache
+        self.pending_cache = cache
 
     def after_forward(self, cache) -> None:
         """Called by a forward hook on the decoder: remember where the cached keys sit."""
         self.rotation.finish(cache)
-        self._pending_cache = None
+        self.pending_cache = None
 
     def retire_caches(self) -> None:
         """The patch is being removed or replaced: every KV cache it wrote keys into before rotation

@@ -6,7 +6,7 @@ activations' dtype, as transformers' rotary modules do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,37 +41,13 @@ def polar(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> torc
         return torch.polar(torch.ones_like(freqs), freqs) * scale
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """x * cos + turn(x) * sin, where turn takes each rotated pair (a, b) to (-b, a).
-
-    The turn is applied by slices instead of being built (transformers' rotate_half concatenates
-    a negated copy): the same roundings, so the same bits, at a fraction of the memory traffic."""
-    if layout == "half":
-        half = x.shape[-1] // 2
-        first, second = (slice(None, half), slice(half, None))
-    else:
-        first, second = (slice(0, None, 2), slice(1, None, 2))
-    out = x * cos
-    out[..., first] -= x[..., second] * sin[..., first]
-    out[..., second] += x[..., first] * sin[..., second]
-    return out
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading") -> torch.Tensor:
     """Rotate D channels of x [B, H, S, head_dim] by (cos, sin) [B, S, D] from `cos_sin`: the first
     D ("leading"), or the last D ("trailing": multi-head latent attention appends its rotated
-    channels to unrotated ones); the others pass through (partial rotary)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if layout == "interleaved":
-        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    dim = cos.shape[-1]
-    if dim == x.shape[-1]:
-        return _rotate(x, cos, sin, layout)
-    if channels == "trailing":
-        split = x.shape[-1] - dim
-        return torch.cat((x[..., :split], _rotate(x[..., split:], cos, sin, layout)), dim=-1)
-    return torch.cat((_rotate(x[..., :dim], cos, sin, layout), x[..., dim:]), dim=-1)
+    channels to unrotated ones); the others pass through (partial rotary). x * cos + turn(x) * sin,
+    turn taking each rotated pair (a, b) to (-b, a): transformers' bits (its rotate_half builds a
+    negated copy; `rotate_prepared`, the one rotation, swaps and signs sin instead, the same roundings)."""
+    return rotate_prepared(x, *prepared(cos, sin, layout), layout, channels)
 
 
 @dataclass
@@ -85,18 +61,15 @@ class RotationFrame:
     k_pos: torch.Tensor  # [B, Sk], cached keys first
     lengths: torch.Tensor  # [B, Sq]
     angles: Callable[[int], tuple[torch.Tensor, float]]
-    _rotations: dict = field(default_factory=dict, repr=False)
 
     def rotation(self, length: int, keys: bool, start: int, stop: int, dtype: torch.dtype):
-        """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer
-        needs the same ones, so they are computed once per forward: in decoding, where the query
-        is one token and the keys are the whole cache, that is most of the rotation's cost."""
-        key = (length, keys, start, stop, dtype)
-        if key not in self._rotations:
-            inv_freq, scale = self.angles(length)
-            positions = (self.k_pos if keys else self.q_pos)[:, start:stop]
-            self._rotations[key] = cos_sin(inv_freq, scale, positions, dtype)
-        return self._rotations[key]
+        """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer needs
+        the same ones: the attention transform keeps them for the forward (RotateInAttention.per_forward,
+        the one per-forward store); in decoding, where the query is one token and the keys are the
+        whole cache, that is most of the rotation's cost."""
+        inv_freq, scale = self.angles(length)
+        positions = (self.k_pos if keys else self.q_pos)[:, start:stop]
+        return cos_sin(inv_freq, scale, positions, dtype)
 
 
 def prepared(cos: torch.Tensor, sin: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,9 +88,11 @@ def prepared(cos: torch.Tensor, sin: torch.Tensor, layout: str) -> tuple[torch.T
 def rotate_prepared(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading", out=None
 ) -> torch.Tensor:
-    """apply_rotary with (cos, sin) from `prepared`: x * cos + swap(x) * sin, bit for bit apply_rotary
-    (a - b * s and a + b * (-s) round alike), in four operations where apply_rotary takes fifteen:
-    the rotation of a decode step's one query and one key is mostly the cost of its operations.
+    """The rotation, with (cos, sin) from `prepared`: x * cos + swap(x) * sin, bit for bit x * cos +
+    turn(x) * sin (a - b * s and a + b * (-s) round alike), in four operations where building the
+    turned copy takes fifteen: the rotation of a decode step's one query and one key is mostly the
+    cost of its operations. x [B, H, S, head_dim] with (cos, sin) [B, 1, S, D], or [B, H, P, S,
+    head_dim] with [B, 1, P, S, D]: P position maps at once.
     `out`, where every channel is rotated: the tensor to write the result into (a view of a
     buffer), which saves the copy; the same roundings, so the same bits."""
     dim = cos.shape[-1]

@@ -297,7 +297,7 @@ class RotatingCoreAttention:
         self.rotary = rotary
 
     def __call__(self, query, key, value, attention_mask, *args, **kwargs):
-        frame = self.rotary.frame
+        frame = self.rotary.rotation.frame
         if self.seq_first:  # -> [b, heads, s, hd], the layout RotateInAttention works in
             query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         batch, heads = query.shape[:2]

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from rope_ext.rotation import apply_rotary, cos_sin, prepared, rotate_prepared
+from rope_ext.rotation import cos_sin, prepared, rotate_prepared
 
 from .interface import AttentionTransform, passed_cache
 from .parts import causal_mask, hides_keys
@@ -116,7 +116,7 @@ class RotateInAttention(AttentionTransform):
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
         query = self.scale_queries(query)
-        frame = self.rotary.frame
+        frame = self.rotary.rotation.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         written = frame.k_pos.shape[-1]
         if written < kv_len:
@@ -202,7 +202,7 @@ class RotateInAttention(AttentionTransform):
     def per_forward(self, key, compute: Callable):
         """compute(), once per forward (per frame) and `key`: the layers of a forward share the
         positions, so what follows from them alone is the same in every layer."""
-        frame = self.rotary.frame
+        frame = self.rotary.rotation.frame
         if self._forward[0] is not frame:
             self._forward = (frame, {})
         memo = self._forward[1]
@@ -223,7 +223,7 @@ class RotateInAttention(AttentionTransform):
 
     def _logn_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, Sq, 1]: the log-n scale of each query row; None when every row is inside the window."""
-        q_pos, window = self.rotary.frame.q_pos, self.rotary.geometry.original_window
+        q_pos, window = self.rotary.rotation.frame.q_pos, self.rotary.geometry.original_window
         past = q_pos + 1 > window
         if not bool(past.any()):
             return None
@@ -246,7 +246,7 @@ class RotateInAttention(AttentionTransform):
         tokens; the first step at p + 1 = floor_scale)."""
         params = self.rotary.params
         floor = params["floor_scale"] or self.rotary.geometry.original_window
-        positions = self.rotary.frame.q_pos
+        positions = self.rotary.rotation.frame.q_pos
         return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * params["attn_scale"] + 1.0)[:, None, :, None]
 
     def rotate_to(
@@ -280,7 +280,7 @@ class RotateInAttention(AttentionTransform):
 
     def key_positions(self, kv_len: int) -> torch.Tensor:
         """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
-        k_pos = self.rotary.frame.k_pos
+        k_pos = self.rotary.rotation.frame.k_pos
         if k_pos.shape[-1] < kv_len:
             raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
         return k_pos[..., -kv_len:]
@@ -298,7 +298,7 @@ class RotateInAttention(AttentionTransform):
         )
 
     def _one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool) -> int:
-        frame = self.rotary.frame
+        frame = self.rotary.rotation.frame
         k_pos, q_pos = (frame.k_pos if from_zero else frame.k_pos[..., -kv_len:]), frame.q_pos
         first = 0 if from_zero else int(k_pos[0, 0])
         expected = torch.arange(first, first + k_pos.shape[-1], device=k_pos.device)
@@ -345,7 +345,7 @@ class RotateInAttention(AttentionTransform):
         if index is None:
             return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
         entries = self.rotated.entries(self.rotary.pending_cache)
-        held = kv_len - self.rotary.frame.q_pos.shape[-1]
+        held = kv_len - self.rotary.rotation.frame.q_pos.shape[-1]
         entry = entries.get((index, names))
         if (
             entry is not None
@@ -380,7 +380,7 @@ class RotateInAttention(AttentionTransform):
             return None
         if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
             return None
-        if self.rotary.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+        if self.rotary.rotation.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
         return index
 
@@ -390,7 +390,7 @@ class RotateInAttention(AttentionTransform):
         return self.per_forward(
             ("frame", length, keys, start, stop, dtype),
             lambda: prepared(
-                *(t.unsqueeze(1) for t in self.rotary.frame.rotation(length, keys, start, stop, dtype)),
+                *(t.unsqueeze(1) for t in self.rotary.rotation.frame.rotation(length, keys, start, stop, dtype)),
                 self.rotary.geometry.layout,
             ),
         )
@@ -415,11 +415,13 @@ class RotateInAttention(AttentionTransform):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
         else computed here and let go."""
         pairing = self.rotary.geometry.pairing
-        q_cos, q_sin = frame.rotation(length, False, *q_span, query.dtype)
+        q_factors = self._frame_factors(length, False, *q_span, query.dtype)
         if held:
-            k_cos, k_sin = frame.rotation(length, True, *k_span, key.dtype)
+            k_factors = self._frame_factors(length, True, *k_span, key.dtype)
         else:
             inv_freq, scale = frame.angles(length)
             k_cos, k_sin = cos_sin(inv_freq, scale, frame.k_pos[:, slice(*k_span)], key.dtype)
-        q_rotated = self.temper(apply_rotary(query, q_cos, q_sin, *pairing), *q_span)
-        return attend(module, q_rotated, apply_rotary(key, k_cos, k_sin, *pairing), value, mask, **kwargs)
+            k_factors = prepared(k_cos.unsqueeze(1), k_sin.unsqueeze(1), self.rotary.geometry.layout)
+        q_rotated = self.temper(rotate_prepared(query.unsqueeze(2), *q_factors, *pairing)[:, :, 0], *q_span)
+        k_rotated = rotate_prepared(key.unsqueeze(2), *k_factors, *pairing)[:, :, 0]
+        return attend(module, q_rotated, k_rotated, value, mask, **kwargs)

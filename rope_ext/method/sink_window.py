@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.rotation import apply_rotary
+from rope_ext.rotation import rotate_prepared
 
 from .attention_side import AttentionMethod
 from .base import ModelFacts, Param
@@ -148,7 +148,7 @@ class SinkWindowAttention(RotateInAttention):
         super()._after_forward(module, args, kwargs, output)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        frame = self.rotary.frame
+        frame = self.rotary.rotation.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         self.key_positions(kv_len)
         self.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
@@ -172,7 +172,10 @@ class SinkWindowAttention(RotateInAttention):
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
         outputs = []
         if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
-            q_own = apply_rotary(query[:, :, :exact], *frame.rotation(trained, False, 0, exact, query.dtype), *pairing)
+            q_own = rotate_prepared(
+                query[:, :, :exact].unsqueeze(2), *self._frame_factors(trained, False, 0, exact, query.dtype), *pairing
+            )
+            q_own = q_own[:, :, 0]
             outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")

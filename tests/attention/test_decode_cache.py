@@ -116,7 +116,7 @@ class RotatedRows:
 
     def __init__(self, monkeypatch):
         self.rows = 0
-        for name in ("apply_rotary", "rotate_prepared"):
+        for name in ("rotate_prepared",):
             original = getattr(rope_ext.attention.rotate, name)
 
             def counted(x, *args, original=original, **kwargs):
