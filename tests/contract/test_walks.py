@@ -1,7 +1,7 @@
 """Short walks: how many of rope-ext's files a call passes through. `patch()` enters no method module
 it does not use, and one decode step of a method that rotates inside attention enters a few files
 per layer (issue #39, item 4). The walk is recorded with `sys.setprofile`; run this file as a script
-to print the measures (`cd tests && ../.venv/bin/python contract/test_walks.py`).
+to print the measures (`cd tests && PYTHONPATH=. ../.venv/bin/python contract/test_walks.py`).
 """
 
 from __future__ import annotations
