@@ -49,13 +49,16 @@ class OneSoftmax(TwoPartAttention):
         k_pos = frame.k_pos[..., -kv_len:]
         group, window = rotary.params["group"], rotary.params["window"]
         inv_freq, scale = frame.angles(rotary.geometry.original_window)
-        q_own, k_own = self.rotate_to(query, frame.q_pos, inv_freq, scale), self.rotate_to(key, k_pos, inv_freq, scale)
+        q_own, k_own = (
+            self.store.rotate_to(query, frame.q_pos, inv_freq, scale),
+            self.store.rotate_to(key, k_pos, inv_freq, scale),
+        )
         extended = frame.lengths > rotary.geometry.original_window
         first = int(extended.any(0).nonzero()[0])  # the bench's input always goes past the window
-        q_group = self.rotate_to(
+        q_group = self.store.rotate_to(
             query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale
         )
-        k_group = self.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        k_group = self.store.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
         queries = torch.cat((q_own, q_group), dim=-1)
         neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
         distant = torch.cat((torch.zeros_like(k_own), k_group), dim=-1)

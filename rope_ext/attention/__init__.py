@@ -24,7 +24,7 @@ from .parts import (
     merge_by_lse,
     window_parts,
 )
-from .rotate import RotateInAttention
+from .rotate import RotateInAttention, RotatesWithStore
 
 __all__ = [
     "PREFIX",
@@ -45,4 +45,5 @@ __all__ = [
     "merge_by_lse",
     "window_parts",
     "RotateInAttention",
+    "RotatesWithStore",
 ]

@@ -72,7 +72,8 @@ class RotateInAttention(AttentionTransform):
 
     One transform serves every layer: what every layer of a forward would compute alike (cos/sin
     of the same positions, the checks of the positions) it computes once per forward
-    (`per_forward`)."""
+    (`per_forward`). The attention-side methods' transforms hold one as their rotation store
+    (RotatesWithStore) and call it for what they need."""
 
     HELD_GROUPS = 4
     # a forward in more groups than this is told once what the schedule costs (PatchInfo.notes)
@@ -129,10 +130,10 @@ class RotateInAttention(AttentionTransform):
                 module,
                 key,
                 (("scaled", length),),
-                lambda start, stop: self._frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
+                lambda start, stop: self.frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
                 keep=self.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
             )
-            q_rotated = rotate_prepared(query.unsqueeze(2), *self._frame_factors(length, False, 0, q_len, query.dtype), *pairing)
+            q_rotated = rotate_prepared(query.unsqueeze(2), *self.frame_factors(length, False, 0, q_len, query.dtype), *pairing)
             q_rotated = self.temper(q_rotated)
             return attend(module, q_rotated[:, :, 0], kept[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len
@@ -384,7 +385,7 @@ class RotateInAttention(AttentionTransform):
             return None
         return index
 
-    def _frame_factors(self, length: int, keys: bool, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def frame_factors(self, length: int, keys: bool, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The frame's (cos, sin) for queries (or keys) start:stop under `length`'s scaling, prepared
         (rope_ext.rotation) with one map: [B, 1, 1, stop - start, D], once per forward."""
         return self.per_forward(
@@ -415,9 +416,9 @@ class RotateInAttention(AttentionTransform):
         """Attention of `query` with `length`'s scaling; (cos, sin) kept for the forward when `held`,
         else computed here and let go."""
         pairing = self.rotary.geometry.pairing
-        q_factors = self._frame_factors(length, False, *q_span, query.dtype)
+        q_factors = self.frame_factors(length, False, *q_span, query.dtype)
         if held:
-            k_factors = self._frame_factors(length, True, *k_span, key.dtype)
+            k_factors = self.frame_factors(length, True, *k_span, key.dtype)
         else:
             inv_freq, scale = frame.angles(length)
             k_cos, k_sin = cos_sin(inv_freq, scale, frame.k_pos[:, slice(*k_span)], key.dtype)
@@ -425,3 +426,23 @@ class RotateInAttention(AttentionTransform):
         q_rotated = self.temper(rotate_prepared(query.unsqueeze(2), *q_factors, *pairing)[:, :, 0], *q_span)
         k_rotated = rotate_prepared(key.unsqueeze(2), *k_factors, *pairing)[:, :, 0]
         return attend(module, q_rotated, k_rotated, value, mask, **kwargs)
+
+
+class RotatesWithStore(AttentionTransform):
+    """An attention transform that rotates queries and keys itself, in place of RotateInAttention
+    (`rotates`), and holds one as its rotation store (`store`): the store's hooks track the KV
+    cache around each forward (attach/detach are handed to it), and the transform calls it for what
+    it needs (positions, rotations, keys kept rotated between forwards, what a forward computes
+    once). One store per transform: every layer of a forward shares its per-forward cache."""
+
+    rotates = True
+
+    def __init__(self, rotary):
+        self.rotary = rotary
+        self.store = RotateInAttention(rotary)
+
+    def attach(self, site) -> None:
+        self.store.attach(site)
+
+    def detach(self, site) -> None:
+        self.store.detach(site)

@@ -58,7 +58,7 @@ from typing import ClassVar
 
 import torch
 
-from rope_ext.attention import RotateInAttention, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import RotatesWithStore, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
@@ -94,25 +94,24 @@ class ChunkRows:
     inter: torch.Tensor
 
 
-class DualChunkAttention(RotateInAttention):
-    """Rotates queries and keys itself (in place of RotateInAttention, whose KV-cache tracking it
-    keeps). Queries below chunk_size attend through the backend with their own positions; the
-    others attend their chunk, the chunk before and the earlier chunks as calls merged by
-    log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
+class DualChunkAttention(RotatesWithStore):
+    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
+    rotation store, `store`). Queries below chunk_size attend through the backend with their own
+    positions; the others attend their chunk, the chunk before and the earlier chunks as calls
+    merged by log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
     are kept rotated to their place in their chunk (one copy of the key cache, RotatedKeys), and to
     their own positions while every query is below min(c + 1, 2s) (a second copy, of at most that
     many keys, let go once the queries pass it). With `temperature` on, the queries carry t(n)^2
     (scale_queries)."""
 
-    rotates = True
-
     def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
-        query = super().scale_queries(query)
+        """The store's scale_queries (logn), then t(n)^2 where `temperature` is on."""
+        query = self.store.scale_queries(query)
         if not self.rotary.params["temperature"]:
             return query
         # a factor on the queries reaches every part they are attended in, as the engines' factor on
         # the softmax scale and the keys does
-        scale = self.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
+        scale = self.store.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
         return query if scale is None else query * scale
 
     def _temperature(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -126,32 +125,32 @@ class DualChunkAttention(RotateInAttention):
         return (t * t)[:, None, :, None].to(dtype)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query, k_pos = self.received(query, key)
+        query, k_pos = self.scale_queries(query), self.store.key_positions(key.shape[-2])
         rotary = self.rotary
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        first = self.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
+        first = self.store.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
         inv_freq, scale = rotary.rotation.frame.angles(rotary.geometry.original_window)
         positions = rotary.rotation.frame.q_pos[:1]  # [1, Sq]
-        exact, chunks = self.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
+        exact, chunks = self.store.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
-            q_own = self.temper(q_own, 0, exact)[:, :, 0]
+            q_own = self.store.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
+            q_own = self.store.temper(q_own, 0, exact)[:, :, 0]
             if exact == q_len:  # every key below min(c + 1, 2s): kept at its own position while the queries are
-                k_own = self.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
+                k_own = self.store.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
             else:
                 end = offset + exact
-                k_own = self.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
+                k_own = self.store.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
                     :, :, 0
                 ]
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
             # every key at its place in its chunk, rotated once and kept between forwards
-            keys = self.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
+            keys = self.store.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
             for rows in chunks:
                 outputs.append(
                     self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, first, inv_freq, scale, scaling)
@@ -195,8 +194,8 @@ class DualChunkAttention(RotateInAttention):
         lo = rows.position - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
         # the rows of chunk n are the same in every layer of the forward: n names their positions
-        queries = self.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
-        q_intra, q_succ, q_inter = self.temper(queries, rows.lo, rows.hi).unbind(2)
+        queries = self.store.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
+        q_intra, q_succ, q_inter = self.store.temper(queries, rows.lo, rows.hi).unbind(2)
         if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
             parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
         else:
