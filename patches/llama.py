@@ -205,17 +205,6 @@ def hiding_sizes(config) -> dict[str, int]:
     return found
 
 
-def sliding_window(config: dict) -> int | None:
-    """The window of the model's sliding-window layers, from transformers' config keys: its
-    `sliding_window`, used by the layers `layer_types` names "sliding_attention" or, in a config
-    without `layer_types` (Mistral, Mixtral), by every layer; None when every layer attends every
-    earlier key."""
-    window, layer_types = config.get("sliding_window"), config.get("layer_types")
-    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
-        return None
-    return window
-
-
 def keys_hidden_past(site: RotarySite, length: int) -> str | None:
     """What the model's attention hides from a query within `length` tokens besides later keys and
     its sliding window's (a chunk, a key selection, a window other than the config's), or None: for
@@ -432,7 +421,6 @@ class LlamaFamily(FamilyAdapter):
         the reasons a method may not run on it (rope_ext.method.base.refusal decides)."""
         config = site.config
         structure = site.structure
-        settings = config.to_dict()
         elsewhere = ", ".join(f"`{name}`" for name in structure.rotation_elsewhere)
         return ModelFacts(
             family=self.name,
@@ -440,12 +428,12 @@ class LlamaFamily(FamilyAdapter):
             num_heads=config.num_attention_heads,
             causal=all(getattr(module, "is_causal", True) for module in site.attention + site.nope),
             attention_interface=self.attention_interface,
-            config=settings,
+            config=config.to_dict(),
             static_only=f"{REASONS['rotation']}: {structure.static_only}" if structure.static_only else None,
             not_plain_attention=None if structure.plain_attention else ATTENTION_REFUSAL,
             rotation_elsewhere=f"{REASONS['rotation-elsewhere']}: {elsewhere}" if elsewhere else None,
             keys_hidden=partial(keys_hidden_past, site),
-            sliding_window=sliding_window(settings),
+            sliding_window=hiding_sizes(config).get("sliding_window"),
         )
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):

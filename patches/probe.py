@@ -315,6 +315,13 @@ def _plain(module, attend, query, key, value, attention_mask, kwargs) -> bool:
     return mine.shape == theirs.shape and torch.allclose(mine, theirs, rtol=PLAIN_TOLERANCE, atol=PLAIN_TOLERANCE)
 
 
+def probe_ids(model: nn.Module, length: int, device) -> torch.Tensor:
+    """The probe's input: `length` token ids spread over the vocabulary, the same at any length."""
+    config = model.config
+    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
+    return (torch.arange(length, device=device) * 7 + 3) % vocab
+
+
 class _Keys:
     """An attention function that records which keys each call's mask lets each query see
     (`keys_seen`), then attends as the probe's backend does."""
@@ -357,10 +364,7 @@ def keys_at(model: nn.Module, length: int) -> list[tuple[str, int | None | bool]
     """Each attention call of a forward of `length` tokens, as (module name, `keys_seen` of its
     mask): what the probe's forward of PROBE_LENGTH tokens cannot show past a window, a chunk or a
     key selection longer than it. Refused("forward") when the model does not run at that length."""
-    config = model.config
-    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
-    device = next(model.parameters()).device
-    ids = (torch.arange(length, device=device) * 7 + 3) % vocab
+    ids = probe_ids(model, length, next(model.parameters()).device)
     capture, training = _Keys(PROBE_BACKEND), model.training
     model.eval()
     try:
@@ -496,8 +500,7 @@ def probe(model: nn.Module) -> Structure:
     if not several:
         found_format = cos_format(rotary, positions, patched)
     config = model.config
-    vocab = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", 2)
-    ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + 3) % vocab
+    ids = probe_ids(model, PROBE_LENGTH, device)
     training = model.training
     model.eval()
     base = PROBE_BACKEND
