@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -587,7 +587,9 @@ class LlamaFamily(FamilyAdapter):
         chosen = base_name(config._attn_implementation or "eager")
         rotary = self.installed(site)
         try:
-            facts = self.facts(site)
+            # patch() proved at its length which keys the model's attention sees; every backend
+            # computes that same attention, so the proof stands and its forward is not run again
+            facts = replace(self.facts(site), keys_hidden=None)
             rotary.method.resolve(facts, rotary.geometry, rotary.factor, rotary.params)
             if (refused := refusal(rotary.method, facts, math.ceil(rotary.geometry.original_window * rotary.factor))) is not None:
                 raise ValueError(refused)

@@ -275,6 +275,26 @@ def test_a_declared_chunk_the_model_does_not_apply_is_proven_past_and_patched(mo
     assert torch.equal(logits(model, x), before)
 
 
+def test_a_backend_switch_keeps_the_patch_s_proof_of_the_keys_seen(monkeypatch):
+    """The forward past a declared size runs once, at patch(): switching the patched model's
+    backend keeps its proof (each backend computes the same attention) and its logits."""
+    from rope_ext.patches import llama
+    from rope_ext.patches.probe import PROBE_LENGTH
+
+    monkeypatch.setattr(llama, "hiding_sizes", lambda config: {"attention_chunk_size": WINDOW // 2})
+    forwards = []
+    monkeypatch.setattr(llama, "keys_at", lambda model, length: forwards.append(length) or [])
+    model = random_model()
+    x = random_ids(3 * WINDOW, seed=5)
+    rope_ext.patch(model, "rerope", factor=4)
+    assert forwards == [WINDOW // 2 + PROBE_LENGTH]
+    patched = logits(model, x)
+    model.set_attn_implementation("eager")
+    model.set_attn_implementation("sdpa")
+    assert forwards == [WINDOW // 2 + PROBE_LENGTH]
+    torch.testing.assert_close(logits(model, x), patched, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
 def test_a_sliding_window_is_proven_to_be_the_declared_one(model_type, monkeypatch):
     """Past a sliding window the forward sees each query's band of keys, which must be the config's
