@@ -19,7 +19,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator  # noqa: E402
 
 CLIP = 2.0  # top of a perplexity axis, as a multiple of the lowest value plotted
 MARKERS = "osD^vP*Xph"
@@ -192,9 +192,10 @@ def compare_figure(report: dict):
     return fig
 
 
+# (x label, y label, y scale): dpe's scales are powers of two, spread evenly on a log2 axis
 SEARCHED = {
-    "long_factor": ("rotated pair i (higher: lower frequency)", "rescale factor lambda_i"),
-    "scales": ("group of frequency pairs g (higher: lower frequency)", "position scale s_g"),
+    "long_factor": ("rotated pair i (higher: lower frequency)", "rescale factor lambda_i", "linear"),
+    "scales": ("group of frequency pairs g (higher: lower frequency)", "position scale s_g", "log2"),
 }
 
 
@@ -202,7 +203,7 @@ def search_figure(records: list[dict], space: str, dimension: str, best, seeds: 
     """`rope-ext search`'s log: each evaluation's answer loss (log axis: PI's and NTK's losses are
     tens of times the best), marked by how the candidate was made, with the best so far; beside
     it the best values of the space's first `dimension` against the seeds' (per pair or group for
-    a list, the loss against the value for a number)."""
+    a list, the loss against the value for a number; dpe's power-of-two scales on a log2 axis)."""
     fig, (losses, factors) = plt.subplots(1, 2, figsize=(12, 4.5))
     origins = sorted({r["origin"] for r in records})
     for (marker, _), origin in zip(_styles(), origins):
@@ -221,7 +222,11 @@ def search_figure(records: list[dict], space: str, dimension: str, best, seeds: 
         for (marker, style), (name, values) in zip(_styles(), seeds.items()):
             factors.plot(pairs, values, marker=marker, linestyle=style, markersize=3, label=name)
         factors.plot(pairs, best, color="black", marker="o", markersize=4, label="best found")
-        factors.set(xlabel=SEARCHED[dimension][0], ylabel=SEARCHED[dimension][1])
+        xlabel, ylabel, scale = SEARCHED[dimension]
+        factors.set(xlabel=xlabel, ylabel=ylabel)
+        if scale == "log2":
+            factors.set_yscale("log", base=2)
+            factors.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         factors.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     else:
         factors.scatter([r[dimension] for r in records], [r["loss"] for r in records], marker=".", color="grey")

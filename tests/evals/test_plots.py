@@ -1,5 +1,6 @@
 """The eval figures: legend outside the axes, a linear perplexity axis clipped so that one broken
-method does not squash the others, the trained window marked, model and method in the titles."""
+method does not squash the others, the trained window marked, model and method in the titles, a
+search's power-of-two scales on a log2 axis."""
 
 from __future__ import annotations
 
@@ -61,3 +62,27 @@ def test_passkey_heatmaps_name_model_and_method():
     assert ax.get_title() == "passkey retrieval" and compare.get_suptitle().startswith("smollm2-135m")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["plain", "yarn x2", "ntk x2"]
     assert ax.images[0].get_cmap().name == "cividis"
+
+
+def search_records(dimension: str, values: list) -> list[dict]:
+    return [
+        {"evaluation": i, "generation": i // 2, "origin": "mutation" if i else "uniform", dimension: v, "loss": 1.0 / (i + 1)}
+        for i, v in enumerate(values)
+    ]
+
+
+def test_search_figure_spreads_dpe_s_power_of_two_scales_on_a_log2_axis_labelled_in_plain_numbers():
+    best, seeds = [4, 4, 8, 16], {"uniform": [8] * 4, "preset": [1, 1, 4, 32]}
+    fig = plots.search_figure(search_records("scales", [[8] * 4, best]), "dpe", "scales", best, seeds, "smollm2-135m-847fbcc544")
+    losses, scales = fig.axes
+    assert fig.get_suptitle() == "smollm2-135m: dpe search, 2 evaluations"
+    assert losses.get_yscale() == "log" and scales.get_yscale() == "log"
+    assert scales.yaxis.get_transform().base == 2
+    fig.canvas.draw()
+    low, high = scales.get_ylim()
+    labels = [t.get_text() for t in scales.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert labels == ["1", "2", "4", "8", "16", "32"]
+    assert [line.get_label() for line in scales.get_lines()] == ["uniform", "preset", "best found"]
+    # longrope's factors are not powers of two: their axis stays linear
+    fig = plots.search_figure(search_records("long_factor", [[1.0, 2.0]]), "longrope", "long_factor", [1.0, 2.0], {}, "tiny")
+    assert fig.axes[1].get_yscale() == "linear"
