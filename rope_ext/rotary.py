@@ -21,6 +21,7 @@ A patched model pickles (torch.save): the module keeps its method by name and po
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from dataclasses import replace
@@ -92,18 +93,30 @@ ROW_OPERATIONS = {
 
 class FollowedOperation:
     """A Cache method (ROW_OPERATIONS, or `reset`) that also moves, or forgets, the key positions
-    KeyPositions keeps for that cache; set on the cache object when its positions are first kept. An
-    object holding the store weakly, so that a deepcopy of the cache gets one bound to the copy."""
+    KeyPositions keeps for that cache; set on the cache object when its positions are first kept.
+
+    It holds the cache weakly: it sits in the cache's own attributes, and a strong reference back
+    would make every cache a reference cycle, its keys freed only when the cyclic collector runs,
+    which counts objects, not bytes (a run of 64k-token prompts held a cache's worth of keys per
+    prompt until it ran out of memory). A deepcopy of the cache gets one bound to the copy."""
 
     def __init__(self, cache, name: str, store: KeyPositions):
-        self.cache, self.name, self.store = cache, name, weakref.ref(store)
+        self.cache, self.name, self.store = weakref.ref(cache), name, weakref.ref(store)
 
     def __call__(self, *args, **kwargs):
-        result = getattr(type(self.cache), self.name)(self.cache, *args, **kwargs)
+        cache = self.cache()
+        result = getattr(type(cache), self.name)(cache, *args, **kwargs)
         store = self.store()
         if store is not None:
-            store.follow(self.cache, self.name, *args, *kwargs.values())
+            store.follow(cache, self.name, *args, *kwargs.values())
         return result
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy of the cache registers the copy in memo before it copies its attributes
+        cache = self.cache()
+        twin = copy.copy(self)
+        twin.cache = weakref.ref(memo.get(id(cache), cache))
+        return twin
 
 
 class KeyPositions:

@@ -3,6 +3,8 @@ positions once per forward, not once per layer, and, for the dynamic methods' ca
 O(length) of them at any number of groups. Results stay those of the full forward
 (test_dynamic_cache.py, test_attention_methods.py)."""
 
+import copy
+import gc
 import sys
 import weakref
 
@@ -14,7 +16,7 @@ import rope_ext
 import rope_ext.attention.rotate
 import rope_ext.rotation
 
-from helpers import assert_kept_keys_follow_the_cache, load_llama
+from helpers import assert_kept_keys_follow_the_cache, load_llama, random_ids, random_model
 
 
 class CosSinCalls:
@@ -155,6 +157,37 @@ def test_kept_rotated_keys_follow_crops_copies_reorders_and_repeats(tiny_model, 
     rows = torch.stack((heldout_ids[:200], heldout_ids[300:500]))
     for end in (90, 160):  # inside the 128-token window, and past it
         assert_kept_keys_follow_the_cache(tiny_model, rows, end)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "rerope"])
+def test_a_dropped_cache_is_freed_at_once_and_a_copy_follows_its_own_rows(method):
+    """The patch keeps each cache's key positions and hooks the cache's row operations on the
+    cache object itself; nothing it adds there may reference the cache back, or each cache is a
+    reference cycle whose keys wait for the cyclic collector (with it off here, they would never
+    go). A deepcopy's hooks move the copy's rows and positions, not the original's."""
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    ids = torch.cat((random_ids(40), random_ids(40, seed=1)))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    rotary = model.model.rotary_emb
+    assert isinstance(vars(cache)["reorder_cache"], rope_ext.rotary.FollowedOperation)
+
+    copied = copy.deepcopy(cache)
+    rotary.copy_positions(cache, copied, 40)
+    first_keys = cache.layers[0].keys.clone()
+    copied.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[0].keys, first_keys)
+    assert torch.equal(copied.layers[0].keys, first_keys.flip(0))
+
+    freed = [weakref.ref(cache), weakref.ref(copied)]
+    gc.disable()
+    try:
+        del cache, copied
+        assert [ref() for ref in freed] == [None, None]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
