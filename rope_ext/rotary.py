@@ -97,8 +97,8 @@ class FollowedOperation:
 
     It holds the cache weakly: it sits in the cache's own attributes, and a strong reference back
     would make every cache a reference cycle, its keys freed only when the cyclic collector runs,
-    which counts objects, not bytes (a run of 64k-token prompts held a cache's worth of keys per
-    prompt until it ran out of memory). A deepcopy of the cache gets one bound to the copy."""
+    which counts objects, not bytes (in a run of 64k-token prompts, a cache's worth of keys per
+    prompt, until memory runs out). A deepcopy of the cache gets one bound to the copy."""
 
     def __init__(self, cache, name: str, store: KeyPositions):
         self.cache, self.name, self.store = weakref.ref(cache), name, weakref.ref(store)

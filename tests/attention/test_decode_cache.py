@@ -164,7 +164,7 @@ def test_a_dropped_cache_is_freed_at_once_and_a_copy_follows_its_own_rows(method
     """The patch keeps each cache's key positions and hooks the cache's row operations on the
     cache object itself; nothing it adds there may reference the cache back, or each cache is a
     reference cycle whose keys wait for the cyclic collector (with it off here, they would never
-    go). A deepcopy's hooks move the copy's rows and positions, not the original's."""
+    go). A deepcopy's hooks move the copy's rows, not the original's."""
     model = random_model()
     rope_ext.patch(model, method, factor=4)
     ids = torch.cat((random_ids(40), random_ids(40, seed=1)))
