@@ -90,6 +90,12 @@ class FamilyAdapter(ABC):
         transformers `rope_parameters` that reproduce the patch on a plain reload, or None. The
         method was checked against `facts` before: install decides nothing about it."""
 
+    def config_written(self, site, rotary: nn.Module, max_length: int) -> dict:
+        """The config values installing `rotary` writes (key -> value), decided before anything
+        changes: what the config.json of a checkpoint saved under that patch states. {}: the
+        family writes none."""
+        return {}
+
     @abstractmethod
     def uninstall(self, site) -> None:
         """Put back the rotary module, config values and attention the model had before the patch."""

@@ -23,7 +23,7 @@ from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAtten
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq, refusal
 from rope_ext.method.stated import CONFIG_KEY, stated_sizes
-from rope_ext.record import Patch, config_values, restore, rope_parameters, served_parameters, write_native
+from rope_ext.record import Patch, config_keys, config_values, restore, rope_parameters, served_parameters, write_native
 from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
 from rope_ext.shipped import (
@@ -273,6 +273,34 @@ def shipped_scaling(site: RotarySite, record: dict, original_cls: type) -> Shipp
     )
 
 
+def window_of(config, record: dict, rope: dict, stated: int | None) -> dict:
+    """The trained window of a checkpoint with the pre-patch values `record` (its flat
+    rope_parameters `rope`, their `stated` pretraining window) and where it comes from, for a
+    patch given no original_window=: {"original_window": ..., "starts_from": ...}."""
+    rope_type = rope.get("rope_type", "default")
+    if stated_window := stated_sizes(getattr(config, CONFIG_KEY, None)).get("original_max_position_embeddings"):
+        # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
+        source = {"scaling": None, "source": f"{CONFIG_KEY}.original_max_position_embeddings"}
+        return {"original_window": stated_window, "starts_from": source}
+    if rope_type == "default":
+        source = {"scaling": None, "source": "max_position_embeddings"}
+        return {"original_window": record["max_position_embeddings"], "starts_from": source}
+    if rope_type in EXTENDABLE:
+        source = {"scaling": rope_type, "source": "the shipped scaling"}
+        return {"original_window": served_context(rope, record["max_position_embeddings"]), "starts_from": source}
+    if stated is not None:
+        raise ValueError(
+            f"this checkpoint ships a {rope_type!r} RoPE scaling, which changes its frequencies at its pretraining "
+            f"window ({stated} tokens), so no patch can extend it unchanged on both sides; pass original_window={stated} "
+            f"to replace it by the method over that window (with a factor that reaches the "
+            f"{record['max_position_embeddings']} tokens it serves)"
+        )
+    raise ValueError(
+        f"this checkpoint already carries a {rope_type!r} RoPE scaling and does not record the window "
+        "it was pretrained with; pass original_window=<tokens> so the new factor has a meaning"
+    )
+
+
 class PassThrough(AttentionTransform):
     """The attention of a layer without RoPE under a patch: the backend, unchanged."""
 
@@ -338,29 +366,16 @@ class LlamaFamily(FamilyAdapter):
                     f"original_max_position_embeddings is {stated}; leave original_window out to extend the shipped model"
                 )
             record["original_window"] = original_window
-        elif "original_window" in record:
-            pass
-        elif stated_window := stated_sizes(getattr(config, CONFIG_KEY, None)).get("original_max_position_embeddings"):
-            # Qwen2.5-1M: config.json states the pretraining window beside a dual chunk attention setup
-            record["original_window"] = stated_window
-            record["starts_from"] = {"scaling": None, "source": f"{CONFIG_KEY}.original_max_position_embeddings"}
-        elif rope_type == "default":
-            record["original_window"] = record["max_position_embeddings"]
-            record["starts_from"] = {"scaling": None, "source": "max_position_embeddings"}
-        elif rope_type in EXTENDABLE:
-            record["original_window"] = served_context(rope, record["max_position_embeddings"])
-            record["starts_from"] = {"scaling": rope_type, "source": "the shipped scaling"}
-        elif stated is not None:
+        elif "original_window" not in record:
+            record.update(window_of(config, record, rope, stated))
+        elif "starts_from" in record and (derived := window_of(config, record, rope, stated)) != {
+            key: record[key] for key in ("original_window", "starts_from")
+        }:
+            # a window the record derived (not one original_window= gave) is derived again from its values
             raise ValueError(
-                f"this checkpoint ships a {rope_type!r} RoPE scaling, which changes its frequencies at its pretraining "
-                f"window ({stated} tokens), so no patch can extend it unchanged on both sides; pass original_window={stated} "
-                f"to replace it by the method over that window (with a factor that reaches the "
-                f"{record['max_position_embeddings']} tokens it serves)"
-            )
-        else:
-            raise ValueError(
-                f"this checkpoint already carries a {rope_type!r} RoPE scaling and does not record the window "
-                "it was pretrained with; pass original_window=<tokens> so the new factor has a meaning"
+                f"{saved.source}: key rope_ext.original.original_window is {record['original_window']!r} from "
+                f"{record['starts_from']}, but the record's own values give {derived['original_window']!r} from "
+                f"{derived['starts_from']}: the record was edited after the save; put back the value it was saved with"
             )
         return record, not saved
 
@@ -505,11 +520,21 @@ class LlamaFamily(FamilyAdapter):
         if (current := self.installed(site)) is not None:
             current.retire_caches()
             self._detach(site)
+        native, softmax = self.written(site, rotary, max_length)
         site.swap_rotary(rotary)
         rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
         chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
             self._attach_attention(site, chain, rotary.method.name)
+        # Written either way, so that a repatch writes what a first patch does.
+        write_native(site.config, native, rotary.original, max_length, site.layer_type)
+        set_softmax_scales(site, softmax)
+        return native
+
+    def written(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, max_length: int) -> tuple[dict | None, dict]:
+        """What installing `rotary` writes, decided before anything changes: the native form (None
+        where no transformers rope_parameters reload the patch exactly) and the rope_parameters the
+        attention modules' softmax scale is built from."""
         native = self.native(rotary)
         if native is not None and not reads_back(site.config, native, rotary, max_length):
             native = None
@@ -517,22 +542,23 @@ class LlamaFamily(FamilyAdapter):
         if shipped_of(rotary.method) is not None:
             # The softmax scale is the shipped model's (DeepSeek's mscale_all_dim temperature reaches
             # every channel of q.k): a native form must rebuild it, or there is none.
-            softmax = original
             if native is not None:
                 written = rope_parameters(original, served_parameters(native), site.layer_type)
                 if softmax_scales(site, written) != softmax_scales(site, original):
                     native = None
-        elif native is not None:
+            return native, original
+        if native is not None:
             # The softmax scale follows the rope parameters the patch rotates by, as transformers
             # builds it from them: the native form, or without one the trained frequencies (the
             # checkpoint's scaling, its mscale included, is replaced, as its frequencies are).
-            softmax = rope_parameters(original, served_parameters(native), site.layer_type)
-        else:
-            softmax = rope_parameters(original, {"rope_type": "default"}, site.layer_type)
-        # Written either way, so that a repatch writes what a first patch does.
-        write_native(site.config, native, rotary.original, max_length, site.layer_type)
-        set_softmax_scales(site, softmax)
-        return native
+            return native, rope_parameters(original, served_parameters(native), site.layer_type)
+        return None, rope_parameters(original, {"rope_type": "default"}, site.layer_type)
+
+    def config_written(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, max_length: int) -> dict:
+        native, _ = self.written(site, rotary, max_length)
+        config = copy.deepcopy(site.config)
+        write_native(config, native, rotary.original, max_length, site.layer_type)
+        return {key: getattr(config, key) for key in config_keys(rotary.original)}
 
     def uninstall(self, site: RotarySite) -> None:
         rotary = self.installed(site)

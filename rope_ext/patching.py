@@ -159,6 +159,10 @@ def patch(
             "model, raise the factor, or pass allow_shrink=True (--allow-shrink) to read less"
         )
     rotary = adapter.build(site, spec, factor, params, geometry, original)
+    if saved is not None and adapter.installed(site) is None:
+        # what the record says the checkpoint was, against what its config states
+        recorded = (rotary, applied.max_length) if _saved is not None else _recorded_rotary(adapter, site, saved, facts)
+        record.check_stated(site.config, adapter.config_written(site, *recorded), saved)
     transforms = spec.attention(rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
 
@@ -193,6 +197,17 @@ def patch(
         notes=notes,
         starts_from=starts_from,
     )
+
+
+def _recorded_rotary(adapter, site, saved: Patch, facts) -> tuple[nn.Module, int]:
+    """The rotary module of the patch `saved` that a model's config records, built as a reload of
+    it builds it (not installed), and the length that patch is meant for."""
+    spec, factor, params = methods.check(saved.method, saved.factor, saved.params)
+    original, _ = adapter.original_record(site, None, saved)
+    geometry = adapter.geometry(site, original, verify=False)
+    factor, params = spec.resolve(facts, geometry, factor, params)
+    recorded = Patch(saved.method, factor, params, original, geometry)
+    return adapter.build(site, spec, factor, params, geometry, original), recorded.max_length
 
 
 def own_config(model: nn.Module) -> None:

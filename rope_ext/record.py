@@ -252,9 +252,46 @@ def write_native(config, native: dict | None, original: dict, max_length: int, l
 
 def restore(config, original: dict) -> None:
     """Put back the config values `config_values` read (a patch's `original`)."""
-    for key, value in original.items():
-        if key not in ("original_window", "starts_from"):
-            setattr(config, key, copy.deepcopy(value))
+    for key in config_keys(original):
+        setattr(config, key, copy.deepcopy(original[key]))
+
+
+def config_keys(original: dict) -> list[str]:
+    """The keys of a patch's `original` that are config fields (the others say where its window
+    comes from)."""
+    return [key for key in original if key not in ("original_window", "starts_from")]
+
+
+_ABSENT = object()
+
+
+def check_stated(config, written: dict, saved: Patch) -> None:
+    """ValueError naming the file and the key where `config`, loaded from a checkpoint that records
+    the patch `saved`, does not state what that patch writes from the record's original values
+    (`written`, the adapter's `config_written`): config.json or the record was edited after the
+    save, and neither reading can be trusted."""
+    for key, value in written.items():
+        found = _difference(getattr(config, key, _ABSENT), value, key)
+        if found is not None:
+            name, stated, recorded = found
+            stated, recorded = ("absent" if v is _ABSENT else repr(v) for v in (stated, recorded))
+            raise ValueError(
+                f"{saved.source}: key {name} is {stated}, but the patch its {CONFIG_KEY} record holds "
+                f"({saved.method} x{saved.factor:g} over the values in {CONFIG_KEY}.original) writes {recorded}: "
+                "config.json or its record was edited after the save. Put the key back as the save wrote it, or load "
+                "the checkpoint with transformers alone, which reads config.json and not the record"
+            )
+
+
+def _difference(stated, recorded, key: str):
+    """(dotted key, stated, recorded) of the first value where two config values differ, or None."""
+    if isinstance(stated, dict) and isinstance(recorded, dict):
+        for inner in dict.fromkeys([*stated, *recorded]):
+            found = _difference(stated.get(inner, _ABSENT), recorded.get(inner, _ABSENT), f"{key}.{inner}")
+            if found is not None:
+                return found
+        return None
+    return None if stated == recorded else (key, stated, recorded)
 
 
 def config_source(config) -> str:

@@ -282,3 +282,50 @@ def test_a_mixtral_config_without_head_dim_saves_reloads_and_unpatches_exactly(t
         rope_ext.unpatch(unpatched)
         assert torch.equal(logits(unpatched, x), plain)
         assert {key: getattr(unpatched.config, key) for key in written} == config
+
+
+# What the record says the checkpoint was and what config.json states are one claim: a reload
+# compares them and refuses a difference, naming config.json and the key (issue #51 item 1).
+
+
+def _saved_and_edited(tmp_path, method, params, edit):
+    model = random_model()
+    rope_ext.patch(model, method, factor=4, **params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a patch without a native form: transformers alone loads the unpatched model
+        model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("method,params", [("yarn", {}), ("dynamic", {}), ("dynamic", {"causal": False}), ("self_extend", {})])
+@pytest.mark.parametrize(
+    "edit,key",
+    [
+        (lambda c: c["rope_parameters"].update(rope_theta=10001.0), "rope_parameters.rope_theta"),
+        (lambda c: c["rope_ext"]["original"]["rope_parameters"].update(rope_theta=10001.0), "rope_parameters.rope_theta"),
+        (lambda c: c.update(max_position_embeddings=c["max_position_embeddings"] + 64), "max_position_embeddings"),
+        # yarn's native form writes no trace of it: the record's window, derived from it, disagrees instead
+        (
+            lambda c: c["rope_ext"]["original"].update(max_position_embeddings=WINDOW + 1),
+            "(max_position_embeddings|rope_ext.original.original_window)",
+        ),
+    ],
+    ids=["config rope_theta", "record rope_theta", "config max_position_embeddings", "record max_position_embeddings"],
+)
+def test_a_record_that_disagrees_with_its_config_json_is_refused_naming_both(tmp_path, method, params, edit, key):
+    path = _saved_and_edited(tmp_path, method, params, edit)
+    with pytest.raises(ValueError, match=rf"key {key} is") as raised:
+        rope_ext.from_pretrained(tmp_path)
+    assert str(path) in str(raised.value)
+    assert "rope_ext.original" in str(raised.value)
+
+
+@pytest.mark.parametrize("method,params", [("yarn", {}), ("dynamic", {}), ("self_extend", {})])
+def test_a_record_that_agrees_with_its_config_json_reloads(tmp_path, method, params):
+    """The same save, untouched, and with a key the patch never writes edited: both reload."""
+    _saved_and_edited(tmp_path, method, params, lambda c: c.update(rms_norm_eps=2e-6))
+    assert rope_ext.describe(rope_ext.from_pretrained(tmp_path))["method"] == method
