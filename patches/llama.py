@@ -355,7 +355,10 @@ class LlamaFamily(FamilyAdapter):
             return record, False
         config = site.config
         site.fresh = saved is None
-        record = saved.original_values("rope_parameters", "max_position_embeddings") if saved else config_values(config)
+        if saved:
+            record = saved.original_values("rope_parameters", "max_position_embeddings", layer_type=site.layer_type)
+        else:
+            record = config_values(config)
         rope = site.rope_entry(record["rope_parameters"])
         rope_type = rope.get("rope_type", "default")
         stated = rope.get("original_max_position_embeddings") if rope_type in WINDOW_KEYED else None

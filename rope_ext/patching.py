@@ -147,7 +147,12 @@ def patch(
         spec, factor, params = methods.check(method, factor, {**inherited, **given})
     geometry = adapter.geometry(site, original, verify=built_from_original)
     facts = adapter.facts(site)
-    factor, params = spec.resolve(facts, geometry, factor, params)
+    try:
+        factor, params = spec.resolve(facts, geometry, factor, params)
+    except ValueError as err:
+        if _saved is None:
+            raise
+        raise ValueError(f"{_saved.source}: key {record.CONFIG_KEY}.params: {err}") from None
     applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
     if (refused := refusal(spec, facts, applied.max_length)) is not None:
         raise ValueError(refused)  # what the method requires against what the model is, in one place

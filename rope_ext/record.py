@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .geometry import RotaryGeometry
-from .method import REGISTRY
+from .method import REGISTRY, check
 from .method.rope import yarn_mscale
 from .names import RETIRED
 from .shipped import QUERY_SCALE_KEY, WINDOW_KEYED
@@ -120,11 +120,27 @@ class Patch:
             return max(length, self.original["max_position_embeddings"])
         return length
 
-    def original_values(self, *keys: str) -> dict:
-        """A copy of `original`, after checking that it holds `keys`."""
+    def original_values(self, *keys: str, layer_type: str | None = None) -> dict:
+        """A copy of `original`, after checking that it holds `keys` as a config holds them:
+        `rope_parameters` an object (nested per layer type: with an object for `layer_type`) whose
+        rope_theta is a positive number, `max_position_embeddings` a positive int."""
+        prefix = f"{self.source}: key {CONFIG_KEY}.original"
         for key in keys:
             if key not in self.original:
-                raise ValueError(f"{self.source}: key {CONFIG_KEY}.original.{key} is missing")
+                raise ValueError(f"{prefix}.{key} is missing")
+        if "rope_parameters" in keys:
+            rope = _field(self.original, "rope_parameters", dict, self.source, f"{CONFIG_KEY}.original")
+            name = "rope_parameters"
+            if layer_type is not None:
+                rope, name = _field(rope, layer_type, dict, self.source, f"{CONFIG_KEY}.original.rope_parameters"), f"{name}.{layer_type}"
+            if "rope_theta" not in rope:
+                raise ValueError(f"{prefix}.{name}.rope_theta is missing")
+            if not _positive(rope["rope_theta"], (int, float)):
+                raise ValueError(f"{prefix}.{name}.rope_theta must be a positive number, got {rope['rope_theta']!r}")
+        if "max_position_embeddings" in keys and not _positive(self.original["max_position_embeddings"], int):
+            raise ValueError(
+                f"{prefix}.max_position_embeddings must be a positive int, got {self.original['max_position_embeddings']!r}"
+            )
         return copy.deepcopy(self.original)
 
     def described(self) -> dict:
@@ -354,11 +370,19 @@ def read(config, source: str | None = None) -> Patch | None:
     params = dict(_field(saved, "params", dict, source))
     if (stale := REGISTRY[method].stale_record(params)) is not None:
         raise ValueError(f"{source}: key {CONFIG_KEY}.params: {stale}")
+    try:
+        check(method, factor, params)
+    except ValueError as err:
+        raise ValueError(f"{source}: key {CONFIG_KEY}.params: {err}") from None
     patch = Patch(method, float(factor), params, original, source=source)
     window = patch.original_window
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{source}: key {CONFIG_KEY}.original.original_window must be a positive int, got {window!r}")
     return patch
+
+
+def _positive(value, kind) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _field(record: dict, key: str, kind, source: str, prefix: str = CONFIG_KEY):

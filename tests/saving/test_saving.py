@@ -134,6 +134,20 @@ def _saved_with_record(tmp_path, edit):
         (lambda r: r.update(version=7), "rope_ext config format 7 is not supported"),
         (lambda r: r["original"].pop("rope_parameters"), "key rope_ext.original.rope_parameters is missing"),
         (lambda r: r["original"].update(original_window="8k"), "key rope_ext.original.original_window must be a positive int"),
+        # issue #51 item 2: a tampered original or parameter, named as the others are
+        (lambda r: r["original"].update(rope_parameters="default"), "key rope_ext.original.rope_parameters must be dict"),
+        (lambda r: r["original"]["rope_parameters"].pop("rope_theta"), "key rope_ext.original.rope_parameters.rope_theta is missing"),
+        (
+            lambda r: r["original"]["rope_parameters"].update(rope_theta="1e4"),
+            "key rope_ext.original.rope_parameters.rope_theta must be a positive number",
+        ),
+        (
+            lambda r: r["original"].update(max_position_embeddings="64"),
+            "key rope_ext.original.max_position_embeddings must be a positive int",
+        ),
+        (lambda r: r["original"].pop("max_position_embeddings"), "key rope_ext.original.max_position_embeddings is missing"),
+        (lambda r: r["params"].update(beta_fast="fast"), "key rope_ext.params: .*beta_fast"),
+        (lambda r: r["params"].update(window=3), "key rope_ext.params: .*window"),
     ],
 )
 def test_a_corrupted_record_is_refused_naming_the_file_and_key(tmp_path, edit, message):
@@ -141,6 +155,22 @@ def test_a_corrupted_record_is_refused_naming_the_file_and_key(tmp_path, edit, m
     with pytest.raises(ValueError, match=message) as raised:
         rope_ext.from_pretrained(folder)
     assert str(folder / "config.json") in str(raised.value)
+
+
+def test_a_recorded_parameter_the_model_refuses_is_refused_naming_the_file(tmp_path):
+    """A parameter only the model can check (dca's chunk against the trained window), tampered."""
+    model = random_model()
+    rope_ext.patch(model, "dca", factor=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dca has no native form
+        model.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_ext"]["params"]["chunk_size"] = 2 * WINDOW
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"key rope_ext\.params: dca: chunk_size 128 exceeds the trained window 64") as raised:
+        rope_ext.from_pretrained(tmp_path)
+    assert str(path) in str(raised.value)
 
 
 def test_the_lm_eval_model_reads_the_record_through_the_same_checks(tmp_path, tiny_path):
