@@ -31,6 +31,7 @@ its source or its model type.
 from __future__ import annotations
 
 import inspect
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,16 @@ PATCHED_TYPE = "full_attention"
 # eager's reference form too) does not depend on the kernel, and a backend this device cannot run
 # (flash or paged attention named on a CPU) must not stop the patch before the method's own checks.
 PROBE_BACKEND = "eager"
+# The probe's forwards attend through one registered name, whose function hands each call to the
+# capture of the probe running in the calling thread: a name per probe would be a registration
+# transformers never lets go, and one capture for the name would let a probe of another model in
+# another thread take this one's calls.
+PROBE_NAME = f"rope_ext_probe_{PROBE_BACKEND}"
+_CAPTURE: ContextVar = ContextVar("rope_ext_probe_capture")
+
+
+def _captured(module, query, key, value, attention_mask, **kwargs):
+    return _CAPTURE.get()(module, query, key, value, attention_mask, **kwargs)
 
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
@@ -425,10 +436,8 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
     """The logits of a forward through `capture`; with `identity_of`, that rotary module answers an
     identity rotation (for `layer_type` alone, where it keeps frequencies per layer type)."""
     config = model.config
-    base = PROBE_BACKEND
-    name = f"rope_ext_probe_{base}"
-    ALL_ATTENTION_FUNCTIONS.register(name, capture)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    ALL_ATTENTION_FUNCTIONS.register(PROBE_NAME, _captured)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_NAME, ALL_MASK_ATTENTION_FUNCTIONS[PROBE_BACKEND])
     if identity_of is not None:
         real = type(identity_of).forward
         signature = inspect.signature(real)
@@ -448,7 +457,8 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
     # on sdpa beside an eager one): each gets its own back.
     configs = [config, *(getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {})]
     saved = [(each, each._attn_implementation_internal) for each in configs if each is not None]
-    config._attn_implementation = name
+    config._attn_implementation = PROBE_NAME
+    token = _CAPTURE.set(capture)
     try:
         with torch.no_grad():
             return model(input_ids=ids, use_cache=False).logits
@@ -457,6 +467,7 @@ def _run(model, ids, capture: _Capture, identity_of: nn.Module | None, layer_typ
     except Exception as err:  # a model this short input does not run: nothing can be proven
         raise Refused("forward", f"{type(err).__name__}: {err}") from None
     finally:
+        _CAPTURE.reset(token)
         for each, backend in saved:
             each._attn_implementation_internal = backend
         if identity_of is not None:

@@ -109,3 +109,43 @@ def test_a_config_without_rope_theta_is_refused():
     with pytest.raises(Refused) as refused:
         probe(model)
     assert refused.value.reason == "config" and "LlamaConfig.rope_parameters is {'rope_type': 'default'}" in str(refused.value)
+
+
+def test_two_threads_probe_two_models_at_once():
+    """A probe that runs while another thread's probe is inside its forward (issue #51 item 3): the
+    second thread patches its model from the middle of the first one's forward, and each probe sees
+    its own model's attention calls only."""
+    import threading
+
+    import rope_ext
+
+    first, second = random_model("llama"), random_model("llama", seed=1)
+    ids = random_ids(3 * 64)
+    expected = []
+    for model in (first, second):
+        twin = copy.deepcopy(model)
+        rope_ext.patch(twin, "dynamic", factor=4)
+        expected.append(logits(twin, ids))
+    outcome = {}
+
+    def patch_second():
+        try:
+            outcome["second"] = rope_ext.patch(second, "dynamic", factor=4)
+        except Exception as err:  # re-raised in the test's thread
+            outcome["second"] = err
+
+    def in_the_middle(module, args):
+        if "second" not in outcome:
+            worker = threading.Thread(target=patch_second)
+            worker.start()
+            worker.join()
+
+    hook = first.model.layers[1].register_forward_pre_hook(in_the_middle)
+    try:
+        rope_ext.patch(first, "dynamic", factor=4)
+    finally:
+        hook.remove()
+    if isinstance(outcome["second"], Exception):
+        raise outcome["second"]
+    for model, reference in zip((first, second), expected):
+        assert torch.equal(logits(model, ids), reference)
