@@ -69,6 +69,7 @@ _CAPTURE: ContextVar = ContextVar("rope_ext_probe_capture")
 def _captured(module, query, key, value, attention_mask, **kwargs):
     return _CAPTURE.get()(module, query, key, value, attention_mask, **kwargs)
 
+
 REASONS = {
     "no-rotary": "no rotary embedding module (a module with an `inv_freq` buffer)",
     "config": "the config the rotary module was built from holds no rope_parameters with a rope_theta",

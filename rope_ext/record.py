@@ -132,7 +132,10 @@ class Patch:
             rope = _field(self.original, "rope_parameters", dict, self.source, f"{CONFIG_KEY}.original")
             name = "rope_parameters"
             if layer_type is not None:
-                rope, name = _field(rope, layer_type, dict, self.source, f"{CONFIG_KEY}.original.rope_parameters"), f"{name}.{layer_type}"
+                rope, name = (
+                    _field(rope, layer_type, dict, self.source, f"{CONFIG_KEY}.original.rope_parameters"),
+                    f"{name}.{layer_type}",
+                )
             if "rope_theta" not in rope:
                 raise ValueError(f"{prefix}.{name}.rope_theta is missing")
             if not _positive(rope["rope_theta"], (int, float)):

@@ -136,7 +136,10 @@ def _saved_with_record(tmp_path, edit):
         (lambda r: r["original"].update(original_window="8k"), "key rope_ext.original.original_window must be a positive int"),
         # issue #51 item 2: a tampered original or parameter, named as the others are
         (lambda r: r["original"].update(rope_parameters="default"), "key rope_ext.original.rope_parameters must be dict"),
-        (lambda r: r["original"]["rope_parameters"].pop("rope_theta"), "key rope_ext.original.rope_parameters.rope_theta is missing"),
+        (
+            lambda r: r["original"]["rope_parameters"].pop("rope_theta"),
+            "key rope_ext.original.rope_parameters.rope_theta is missing",
+        ),
         (
             lambda r: r["original"]["rope_parameters"].update(rope_theta="1e4"),
             "key rope_ext.original.rope_parameters.rope_theta must be a positive number",
