@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import weakref
 from dataclasses import replace
 from functools import lru_cache
@@ -123,22 +124,35 @@ class KeyPositions:
     """The positions of the keys each KV cache holds, by the cache object's identity: a
     transformers Cache, or the tensor that stands for a tuple cache. Weak, so that a cache the
     caller drops is not kept alive; by identity, so that tensors are never compared by value. The
-    positions follow the cache's own operations on its rows (FollowedOperation)."""
+    positions follow the cache's own operations on its rows (FollowedOperation). Threads that run
+    the model at once, each with its own cache, change the list under a lock."""
 
     def __init__(self):
         self._written: list[tuple[weakref.ref, torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"_written": []}
+
+    def __setstate__(self, state):
+        self.__init__()
 
     def get(self, cache) -> torch.Tensor | None:
         return next((positions for ref, positions in self._written if ref() is cache), None)
 
     def set(self, cache, positions: torch.Tensor) -> None:
-        self.drop(cache)
-        self._written.append((weakref.ref(cache), positions))
+        with self._lock:
+            self._dropped(cache)
+            self._written.append((weakref.ref(cache), positions))
         for name in (*ROW_OPERATIONS, "reset"):
             if hasattr(type(cache), name) and not isinstance(vars(cache).get(name), FollowedOperation):
                 setattr(cache, name, FollowedOperation(cache, name, self))
 
     def drop(self, cache) -> None:
+        with self._lock:
+            self._dropped(cache)
+
+    def _dropped(self, cache) -> None:
         self._written = [(ref, p) for ref, p in self._written if ref() is not None and ref() is not cache]
 
     def follow(self, cache, operation: str, argument=None) -> None:
@@ -171,6 +185,19 @@ class WrittenUnrotated:
         )
 
 
+class ForwardState(threading.local):
+    """What the running forward of a patched model leaves for its attention layers, per thread:
+    its frame (DynamicRotation), the KV cache it extends (`cache`), what its layers compute once
+    (`memo`, RotateInAttention.per_forward). Two threads that run one patched model at once, each
+    with its own cache, each see their own forward's. Plain attributes: the attention layers read
+    them without a call."""
+
+    def __init__(self):
+        self.frame: RotationFrame | None = None
+        self.cache = None
+        self.memo: tuple = (None, {})
+
+
 class DynamicRotation:
     """One forward's positions and frequencies for a patch that rotates inside attention.
 
@@ -178,13 +205,30 @@ class DynamicRotation:
     the keys' (those the cache holds, then the new ones) and the length whose scaling each query
     uses; `finish(cache)` after it records where the cache's keys sit. `frequencies(length)` are
     the method's (inv_freq, attention_factor) for that length, on `device` (the module that owns
-    the engine keeps it where its buffers are)."""
+    the engine keeps it where its buffers are).
+
+    Each thread's forward has its own frame (`state.frame`, ForwardState); `frame` is the latest
+    any thread made, for a thread that runs attention without having run the forward, as the
+    autograd thread that re-runs it for gradient checkpointing on a GPU
+    (RotateInAttention.frame reads the one or the other)."""
 
     def __init__(self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, device: torch.device):
         self.method, self.factor, self.params, self.geometry = method, factor, params, geometry
         self.device = device
         self.positions = KeyPositions()
+        self.state = ForwardState()
         self.frame: RotationFrame | None = None
+
+    def __getstate__(self):
+        # a copy (deepcopy or pickle of the model) starts with no forward run and no cache written
+        return {k: v for k, v in self.__dict__.items() if k not in ("state", "frame")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, state=ForwardState(), frame=None)
+
+    def current(self) -> RotationFrame | None:
+        """The frame of the calling thread's forward, or where it ran none, the latest forward's."""
+        return self.frame if self.state.frame is None else self.state.frame
 
     def frequencies(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
         inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
@@ -220,14 +264,16 @@ class DynamicRotation:
                 )
             past = past if held is None else past[..., :held]
             k_pos = torch.cat((past.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
-        self.frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
-        return self.frame
+        frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
+        self.state.frame = self.frame = frame
+        return frame
 
     def finish(self, cache) -> None:
         """Remember where the keys of `cache` (returned by the forward that made the frame) sit.
         The frame stays: gradient checkpointing re-runs attention during backward."""
-        if cache is not None and self.frame is not None:
-            self.positions.set(cache, self.frame.k_pos)
+        frame = self.state.frame
+        if cache is not None and frame is not None:
+            self.positions.set(cache, frame.k_pos)
 
     def copy_positions(self, source, target, length: int) -> None:
         """`target` holds the first `length` keys of `source`: it gets their positions."""
@@ -260,19 +306,23 @@ class ExtendedRotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
         self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
         self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
-        # The cache the running forward extends (set by before_forward, dropped by after_forward); a
-        # plain attribute, as `rotation.frame`: the attention transforms read both in every layer.
-        self.pending_cache = None
 
     def __getstate__(self):
         # pickled by torch.save(model): the method by its name; the rotation engine holds what
         # each forward leaves (the positions of each cache's keys, weakly; the frame), not state
-        state = {k: v for k, v in self.__dict__.items() if k not in ("rotation", "pending_cache")}
+        state = {k: v for k, v in self.__dict__.items() if k != "rotation"}
         return {**state, "method": method_reference(self.method)}
 
     def __setstate__(self, state):
-        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"]), "pending_cache": None})
+        state = {k: v for k, v in state.items() if k != "pending_cache"}  # what models pickled before it moved held
+        super().__setstate__({**state, "method": referenced_method(state["method"], state["params"])})
         self.rotation = DynamicRotation(self.method, self.factor, self.params, self.geometry, self.inv_freq.device)
+
+    @property
+    def pending_cache(self):
+        """The cache the calling thread's running forward extends (set by before_forward, dropped by
+        after_forward)."""
+        return self.rotation.state.cache
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts buffers too; angles must stay fp32, so recompute the
@@ -289,7 +339,7 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     @property
     def frame(self) -> RotationFrame | None:
-        return self.rotation.frame
+        return self.rotation.current()
 
     def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
         if not self.method.follows_length:
@@ -310,12 +360,12 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     def before_forward(self, cache) -> None:
         """Called by a pre-forward hook on the decoder: the cache this forward will extend."""
-        self.pending_cache = cache
+        self.rotation.state.cache = cache
 
     def after_forward(self, cache) -> None:
         """Called by a forward hook on the decoder: remember where the cached keys sit."""
         self.rotation.finish(cache)
-        self.pending_cache = None
+        self.rotation.state.cache = None
 
     def retire_caches(self) -> None:
         """The patch is being removed or replaced: every KV cache it wrote keys into before rotation

@@ -207,7 +207,7 @@ class ChatGLMRotaryEmbedding(nn.Module):
 
     @property
     def frame(self) -> RotationFrame | None:
-        return self.rotation.frame
+        return self.rotation.current()
 
     def _apply(self, fn, recurse=True):
         # A cast of the model casts `inv_freq` (it sets the table's dtype, as in the original);
@@ -297,7 +297,7 @@ class RotatingCoreAttention:
         self.rotary = rotary
 
     def __call__(self, query, key, value, attention_mask, *args, **kwargs):
-        frame = self.rotary.rotation.frame
+        frame = self.rotate.frame
         if self.seq_first:  # -> [b, heads, s, hd], the layout RotateInAttention works in
             query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         batch, heads = query.shape[:2]

@@ -5,6 +5,7 @@ for this forward, before the backend sees them."""
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from typing import Callable
@@ -35,6 +36,7 @@ class RotatedKeys:
 
     def __init__(self):
         self._caches: list[tuple[weakref.ref, dict]] = []
+        self._lock = threading.Lock()  # threads running the model at once, each with its own cache
 
     def __reduce__(self):
         return (RotatedKeys, ())
@@ -44,9 +46,10 @@ class RotatedKeys:
         for more, weak reference to the key tensor they came from)}."""
         found = next((entries for ref, entries in self._caches if ref() is cache), None)
         if found is None:
-            found = {}
-            self._caches = [(ref, entries) for ref, entries in self._caches if ref() is not None]
-            self._caches.append((weakref.ref(cache), found))
+            with self._lock:
+                found = {}
+                self._caches = [(ref, entries) for ref, entries in self._caches if ref() is not None]
+                self._caches.append((weakref.ref(cache), found))
         return found
 
     def check(self, cache) -> None:
@@ -82,14 +85,8 @@ class RotateInAttention(AttentionTransform):
     def __init__(self, rotary):
         self.rotary = rotary
         self._hooks: list = []
-        self._forward: tuple = (None, {})
         self.rotated = RotatedKeys()
         self._warned = False  # of many groups in a forward (_counted), once per patch
-
-    def __getstate__(self):
-        # pickled by torch.save(model): what a forward left (its frame, whose lru_cache does not
-        # pickle, and what it computed from it) is not state
-        return {**self.__dict__, "_forward": (None, {})}
 
     def attach(self, site) -> None:
         """Track the KV cache around each forward of the decoder (see ExtendedRotaryEmbedding).
@@ -108,16 +105,32 @@ class RotateInAttention(AttentionTransform):
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         self.rotary.after_forward(getattr(output, "cache", None))
-        self._forward = (None, {})  # the forward's cos/sin would otherwise stay held until the next one
+        self.rotary.rotation.state.memo = (None, {})  # the forward's cos/sin would otherwise stay held until the next one
 
     def detach(self, site) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
+    @property
+    def frame(self):
+        """The frame of the calling thread's forward (rope_ext.rotary.ForwardState); where this
+        thread ran none (autograd's thread re-running attention for gradient checkpointing on a
+        GPU), the latest forward's: DynamicRotation.current, read here as values, so that a layer
+        calls nothing in rope_ext/rotary.py."""
+        rotation = self.rotary.rotation
+        frame = rotation.state.frame
+        return rotation.frame if frame is None else frame
+
+    @property
+    def pending_cache(self):
+        """The KV cache the calling thread's forward extends (None: none, or a forward of
+        remote-code ChatGLM, whose rotary module tracks none)."""
+        return self.rotary.rotation.state.cache
+
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
         query = self.scale_queries(query)
-        frame = self.rotary.rotation.frame
+        frame = self.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         written = frame.k_pos.shape[-1]
         if written < kv_len:
@@ -203,10 +216,10 @@ class RotateInAttention(AttentionTransform):
     def per_forward(self, key, compute: Callable):
         """compute(), once per forward (per frame) and `key`: the layers of a forward share the
         positions, so what follows from them alone is the same in every layer."""
-        frame = self.rotary.rotation.frame
-        if self._forward[0] is not frame:
-            self._forward = (frame, {})
-        memo = self._forward[1]
+        frame, state = self.frame, self.rotary.rotation.state
+        if state.memo[0] is not frame:
+            state.memo = (frame, {})
+        memo = state.memo[1]
         if key not in memo:
             memo[key] = compute()
         return memo[key]
@@ -224,7 +237,7 @@ class RotateInAttention(AttentionTransform):
 
     def _logn_scale(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, Sq, 1]: the log-n scale of each query row; None when every row is inside the window."""
-        q_pos, window = self.rotary.rotation.frame.q_pos, self.rotary.geometry.original_window
+        q_pos, window = self.frame.q_pos, self.rotary.geometry.original_window
         past = q_pos + 1 > window
         if not bool(past.any()):
             return None
@@ -247,7 +260,7 @@ class RotateInAttention(AttentionTransform):
         tokens; the first step at p + 1 = floor_scale)."""
         params = self.rotary.params
         floor = params["floor_scale"] or self.rotary.geometry.original_window
-        positions = self.rotary.rotation.frame.q_pos
+        positions = self.frame.q_pos
         return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * params["attn_scale"] + 1.0)[:, None, :, None]
 
     def rotate_to(
@@ -281,7 +294,7 @@ class RotateInAttention(AttentionTransform):
 
     def key_positions(self, kv_len: int) -> torch.Tensor:
         """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
-        k_pos = self.rotary.rotation.frame.k_pos
+        k_pos = self.frame.k_pos
         if k_pos.shape[-1] < kv_len:
             raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {k_pos.shape[-1]}")
         return k_pos[..., -kv_len:]
@@ -299,7 +312,7 @@ class RotateInAttention(AttentionTransform):
         )
 
     def _one_sequence(self, attention_mask, kv_len: int, q_len: int, method: str, from_zero: bool) -> int:
-        frame = self.rotary.rotation.frame
+        frame = self.frame
         k_pos, q_pos = (frame.k_pos if from_zero else frame.k_pos[..., -kv_len:]), frame.q_pos
         first = 0 if from_zero else int(k_pos[0, 0])
         expected = torch.arange(first, first + k_pos.shape[-1], device=k_pos.device)
@@ -345,8 +358,8 @@ class RotateInAttention(AttentionTransform):
         index = self._stored_layer(module, key)
         if index is None:
             return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
-        entries = self.rotated.entries(self.rotary.pending_cache)
-        held = kv_len - self.rotary.rotation.frame.q_pos.shape[-1]
+        entries = self.rotated.entries(self.pending_cache)
+        held = kv_len - self.frame.q_pos.shape[-1]
         entry = entries.get((index, names))
         if (
             entry is not None
@@ -375,13 +388,13 @@ class RotateInAttention(AttentionTransform):
         """The index of the DynamicLayer whose whole cache `key` is, in a forward without autograd;
         None where the store does not apply."""
         # the remote-code ChatGLM rotary module tracks no pending cache: its keys are rotated in full
-        cache, index = getattr(self.rotary, "pending_cache", None), getattr(module, "layer_idx", None)
+        cache, index = self.pending_cache, getattr(module, "layer_idx", None)
         cache_layers = getattr(cache, "layers", None)
         if torch.is_grad_enabled() or index is None or cache_layers is None or index >= len(cache_layers):
             return None
         if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
             return None
-        if self.rotary.rotation.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+        if self.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
         return index
 
@@ -391,7 +404,7 @@ class RotateInAttention(AttentionTransform):
         return self.per_forward(
             ("frame", length, keys, start, stop, dtype),
             lambda: prepared(
-                *(t.unsqueeze(1) for t in self.rotary.rotation.frame.rotation(length, keys, start, stop, dtype)),
+                *(t.unsqueeze(1) for t in self.frame.rotation(length, keys, start, stop, dtype)),
                 self.rotary.geometry.layout,
             ),
         )

@@ -128,7 +128,7 @@ class TwoPartAttention(RotatesWithStore):
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
         query, k_pos = self.store.received(query, key)
         rotary = self.rotary
-        frame = rotary.rotation.frame
+        frame = self.store.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         trained = rotary.geometry.original_window
         method, params = rotary.method, rotary.params

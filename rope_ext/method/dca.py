@@ -117,7 +117,7 @@ class DualChunkAttention(RotatesWithStore):
     def _temperature(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, Sq, 1]: t(n)^2 for each query row, n the length it has seen (causal) or the
         forward's (the engines' prefill); None where every n is at most the trained window L."""
-        q_pos, window = self.rotary.rotation.frame.q_pos, self.rotary.geometry.original_window
+        q_pos, window = self.store.frame.q_pos, self.rotary.geometry.original_window
         seen = q_pos + 1 if self.rotary.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
         if not bool((seen > window).any()):
             return None
@@ -131,8 +131,9 @@ class DualChunkAttention(RotatesWithStore):
         first = self.store.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
         chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
         span = chunk - local  # s: the chunk length
-        inv_freq, scale = rotary.rotation.frame.angles(rotary.geometry.original_window)
-        positions = rotary.rotation.frame.q_pos[:1]  # [1, Sq]
+        frame = self.store.frame
+        inv_freq, scale = frame.angles(rotary.geometry.original_window)
+        positions = frame.q_pos[:1]  # [1, Sq]
         exact, chunks = self.store.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
         outputs = []
         offset = kv_len - q_len

@@ -140,7 +140,7 @@ class SinkWindowAttention(RotatesWithStore):
     def attach(self, site) -> None:
         """The store's hooks, and around them this transform's, which mark a SinkWindowCache as
         served while the forward runs: hooks run in the order they were registered, so the mark is
-        set after the store's pre-hook has taken the forward's cache (rotary.pending_cache) and
+        set after the store's pre-hook has taken the forward's cache (its `pending_cache`) and
         cleared before its forward hook lets the cache go. Bound methods, as the store's: a
         `copy.deepcopy` of the model gets the copy's."""
         after = site.decoder.register_forward_hook(self._after_forward, with_kwargs=True)
@@ -155,17 +155,17 @@ class SinkWindowAttention(RotatesWithStore):
         self.store.detach(site)
 
     def _before_forward(self, module, args, kwargs) -> None:
-        cache = self.rotary.pending_cache
+        cache = self.store.pending_cache
         if isinstance(cache, SinkWindowCache):
             cache.serve((self.rotary.params["sinks"], self.rotary.params["window"]))
 
     def _after_forward(self, module, args, kwargs, output) -> None:
-        cache = self.rotary.pending_cache
+        cache = self.store.pending_cache
         if isinstance(cache, SinkWindowCache):
             cache.serve(None)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        frame = self.rotary.rotation.frame
+        frame = self.store.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         self.store.key_positions(kv_len)
         self.store.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)

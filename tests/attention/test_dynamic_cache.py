@@ -190,3 +190,58 @@ def test_a_forward_in_many_groups_says_once_what_it_costs(tiny_model):
         torch.no_grad(),
     ):
         coarse(x)
+
+
+@torch.no_grad()
+def decode_steps(model, ids, cache, steps: int, before_each=lambda step: None) -> list[torch.Tensor]:
+    """The logits of a prefill of all but `steps` tokens of `ids`, then of one token at a time."""
+    prefill = ids.shape[1] - steps
+    spans = [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]
+    out = []
+    for step, (start, stop) in enumerate(spans):
+        before_each(step)
+        out.append(model(ids[:, start:stop], cache=cache, use_cache=True).logits)
+    return out
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dpe", "string", "self_extend", "dca", "sink_window", "yarn"])
+def test_two_threads_decode_on_one_patched_model_each_with_its_cache(method):
+    """One patched model, two threads, each decoding its own prompt with its own KV cache (issue #51
+    item 4): every step of the second thread runs while the first one's is inside its forward, at
+    every layer boundary of that forward, and both give the logits each gives alone, bit for bit."""
+    import threading
+
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    first, second = random_ids(WINDOW + 20, seed=1), random_ids(WINDOW + 30, seed=2)
+    alone = [decode_steps(model, ids, DynamicCache(config=model.config), 3) for ids in (first, second)]
+
+    second_cache, second_out, pending = DynamicCache(config=model.config), [], []
+    spans = iter([(0, second.shape[1] - 3)] + [(t, t + 1) for t in range(second.shape[1] - 3, second.shape[1])])
+
+    def second_step():
+        try:
+            start, stop = next(spans)
+            with torch.no_grad():
+                second_out.append(model(second[:, start:stop], cache=second_cache, use_cache=True).logits)
+        except Exception as err:  # re-raised in the test's thread
+            second_out.append(err)
+
+    def inside_first(module, args):
+        if pending:
+            pending.pop()
+            worker = threading.Thread(target=second_step)
+            worker.start()
+            worker.join()
+
+    hook = model.model.layers[1].register_forward_pre_hook(inside_first)
+    try:
+        together = decode_steps(model, first, DynamicCache(config=model.config), 3, lambda step: pending.append(step))
+    finally:
+        hook.remove()
+    for out in second_out:
+        if isinstance(out, Exception):
+            raise out
+    assert all(torch.equal(a, b) for a, b in zip(together, alone[0]))
+    assert len(second_out) == 4 and all(torch.equal(a, b) for a, b in zip(second_out, alone[1]))
+
