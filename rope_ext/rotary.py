@@ -99,15 +99,22 @@ class FollowedOperation:
     It holds the cache weakly: it sits in the cache's own attributes, and a strong reference back
     would make every cache a reference cycle, its keys freed only when the cyclic collector runs,
     which counts objects, not bytes (in a run of 64k-token prompts, a cache's worth of keys per
-    prompt, until memory runs out). A deepcopy of the cache gets one bound to the copy."""
+    prompt, until memory runs out). A deepcopy of the cache gets one bound to the copy; a pickled
+    one (torch.save) one bound to the copy and to no store: the positions stay with the patch that
+    wrote the original, which refuses the copy (DynamicRotation.start)."""
 
-    def __init__(self, cache, name: str, store: KeyPositions):
-        self.cache, self.name, self.store = weakref.ref(cache), name, weakref.ref(store)
+    def __init__(self, cache, name: str, store: KeyPositions | None):
+        self.cache, self.name = weakref.ref(cache), name
+        self.store = None if store is None else weakref.ref(store)
+
+    def __reduce__(self):
+        # pickle memoizes the cache before its attributes, so the copy is bound to the copied cache
+        return (FollowedOperation, (self.cache(), self.name, None))
 
     def __call__(self, *args, **kwargs):
         cache = self.cache()
         result = getattr(type(cache), self.name)(cache, *args, **kwargs)
-        store = self.store()
+        store = None if self.store is None else self.store()
         if store is not None:
             store.follow(cache, self.name, *args, *kwargs.values())
         return result
@@ -258,9 +265,9 @@ class DynamicRotation:
             if past is None or (held is not None and past.shape[-1] < held):
                 raise RuntimeError(
                     "rope_ext: this KV cache holds keys that the patched model did not write: the patch does not "
-                    "know where they sit (a cache filled before this patch, or a copy made with copy.deepcopy, whose "
-                    "positions stay with the original; rope_ext.chunked.copy_prefix copies a cache with them); "
-                    "start from a fresh cache"
+                    "know where they sit (a cache filled before this patch, or a copy made with copy.deepcopy or "
+                    "pickled by torch.save, whose positions stay with the original; rope_ext.chunked.copy_prefix copies "
+                    "a cache with them); start from a fresh cache"
                 )
             past = past if held is None else past[..., :held]
             k_pos = torch.cat((past.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)

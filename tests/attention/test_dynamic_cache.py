@@ -245,3 +245,22 @@ def test_two_threads_decode_on_one_patched_model_each_with_its_cache(method):
     assert all(torch.equal(a, b) for a, b in zip(together, alone[0]))
     assert len(second_out) == 4 and all(torch.equal(a, b) for a, b in zip(second_out, alone[1]))
 
+
+@pytest.mark.parametrize("method", ["dynamic", "dpe", "string", "sink_window"])
+def test_a_filled_cache_pickles_and_its_copy_is_refused_on_use_with_the_remedy(tmp_path, method):
+    """torch.save of a KV cache a rotate-inside-attention patch filled (issue #51 item 5): it saves
+    as the unpatched cache does; the copy loaded back, whose keys' positions stay with the patch
+    that wrote the original, is refused on use as a deepcopy is, and the original decodes on."""
+    model = random_model()
+    rope_ext.patch(model, method, factor=4)
+    ids = random_ids(WINDOW + 11)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids[:, :-1], cache=cache, use_cache=True)
+    torch.save(cache, tmp_path / "cache.pt")
+    copied = torch.load(tmp_path / "cache.pt", weights_only=False)  # the file this test wrote
+    with pytest.raises(RuntimeError, match=r"did not write.*torch\.save.*start from a fresh cache"), torch.no_grad():
+        model(ids[:, -1:], cache=copied, use_cache=True)
+    with torch.no_grad():
+        step = model(ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+        assert torch.allclose(step, model(ids).logits[0, -1], atol=1e-5, rtol=0)
