@@ -32,7 +32,7 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
-from .method.base import as_size, refusal
+from .method.base import MAX_POSITIONS, as_size, refusal
 from . import record, serving
 from .patches import find_adapter
 from .record import Patch
@@ -154,6 +154,12 @@ def patch(
             raise
         raise ValueError(f"{_saved.source}: key {record.CONFIG_KEY}.params: {err}") from None
     applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
+    if applied.max_length > MAX_POSITIONS:
+        raise ValueError(
+            f"{method} x{factor:.15g} over a {applied.original_window}-token window is meant for {applied.max_length} "
+            f"tokens, past {MAX_POSITIONS}, the bound of every size rope-ext takes (max_position_embeddings is written "
+            f"from it); use a factor of at most {MAX_POSITIONS // applied.original_window}"
+        )
     if (refused := refusal(spec, facts, applied.max_length)) is not None:
         raise ValueError(refused)  # what the method requires against what the model is, in one place
     served = adapter.served_context(site, original)

@@ -246,6 +246,13 @@ def test_parameters_of_other_numeric_types_are_stored_as_python_numbers(small):
         ("alibi_hybrid", {"factor": 4, "w": 2**70}, r"alibi_hybrid: w .* must be an int in \[0, 2147483647\]"),
         ("alibi_hybrid", {"factor": 4, "slope_scale": 1e300}, r"slope_scale must be a finite number in \(0, 1e\+06\]"),
         ("ntk", {"factor": 4, "original_window": 2**70}, r"original_window must be an int in \[1, 2147483647\]"),
+        # issue #51 item 6: the length a patch is meant for, under the bound of every other size
+        (
+            "yarn",
+            {"factor": 2**20, "original_window": 8192},
+            r"yarn x1048576 over a 8192-token window is meant for 8589934592 tokens, past 2147483647.* at most 262143",
+        ),
+        ("dynamic", {"factor": 4, "original_window": 2**30}, r"meant for 4294967296 tokens, past 2147483647"),
     ],
 )
 def test_numbers_out_of_type_or_range_are_refused_with_what_is_accepted(small, method, kwargs, match):
