@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, replace
-from functools import partial
 
 import torch
 from torch import nn
@@ -184,7 +183,7 @@ def reads_back(config, native: dict, rotary: ExtendedRotaryEmbedding, max_length
 # chunk (Llama 4's attention_chunk_size), the top-k of an indexer (DeepSeek-V3.2's index_topk;
 # Qwen4-Exp's indexer_budget blocks of indexer_compress_ratio tokens). The probe's forward of a few
 # tokens sits inside any of them; a patch meant for more tokens than one of them is proven past it
-# (keys_hidden_past).
+# (KeysShown).
 HIDING_SIZES = {"attention_chunk_size": None, "index_topk": None, "indexer_budget": "indexer_compress_ratio"}
 
 
@@ -205,27 +204,54 @@ def hiding_sizes(config) -> dict[str, int]:
     return found
 
 
-def keys_hidden_past(site: RotarySite, length: int) -> str | None:
-    """What the model's attention hides from a query within `length` tokens besides later keys and
-    its sliding window's (a chunk, a key selection, a window other than the config's), or None: for
-    every size below `length` its config declares (hiding_sizes), a forward of the largest plus
-    PROBE_LENGTH tokens (at most `length`) records each call's mask (patches.probe.keys_at)."""
-    sizes = {key: size for key, size in hiding_sizes(site.config).items() if size < length}
-    if not sizes:
+class KeysShown:
+    """What the model's attention hides from a query within a patch's length, shown by a forward:
+    for every size below that length its config declares (hiding_sizes), a forward of the largest
+    plus PROBE_LENGTH tokens (at most the length) records each call's mask (patches.probe.keys_at),
+    once per length for both facts that read it (`hidden`, `sliding_window`)."""
+
+    def __init__(self, site: RotarySite):
+        self.site, self._seen = site, {}
+
+    def _shown(self, length: int) -> tuple[dict, int, list | Refused]:
+        """(the declared sizes below `length`, the forward's length, each call's keys or why the forward cannot run)."""
+        sizes = {key: size for key, size in hiding_sizes(self.site.config).items() if size < length}
+        if not sizes:
+            return sizes, 0, []
+        run = min(length, max(sizes.values()) + PROBE_LENGTH)
+        if run not in self._seen:
+            try:
+                self._seen[run] = keys_at(self.site.model, run)
+            except Refused as err:
+                self._seen[run] = err
+        return sizes, run, self._seen[run]
+
+    def hidden(self, length: int) -> str | None:
+        """What attention hides within `length` tokens besides later keys and its sliding window's
+        (a chunk, a key selection, a window other than the config's), or None."""
+        sizes, run, seen = self._shown(length)
+        if not sizes:
+            return None
+        declared = ", ".join(f"{key} {size}" for key, size in sizes.items())
+        if isinstance(seen, Refused):
+            return f"at {run} tokens, past its config's {declared}, the forward that shows it cannot run: {seen}"
+        window = sizes.get("sliding_window")
+        hidden = [(name, keys) for name, keys in seen if keys is False or (keys is not None and keys != window)]
+        if not hidden:
+            return None
+        name, keys = hidden[0]
+        what = f"all but the last {keys} keys" if keys else "keys other than later ones or a sliding window's"
+        return f"at {run} tokens, past its config's {declared}, `{name}` (and {len(hidden) - 1} other calls) hides {what}"
+
+    def sliding_window(self, length: int) -> int | None:
+        """The config's sliding window where it is below `length` and some layer attends through it
+        (a config may carry the key for an architecture that never reads it, as a LLaMA's), or where
+        the forward that would show it cannot run; None otherwise."""
+        sizes, _, seen = self._shown(length)
+        window = sizes.get("sliding_window")
+        if window is None or isinstance(seen, Refused) or any(keys == window for _, keys in seen):
+            return window
         return None
-    run = min(length, max(sizes.values()) + PROBE_LENGTH)
-    declared = ", ".join(f"{key} {size}" for key, size in sizes.items())
-    try:
-        seen = keys_at(site.model, run)
-    except Refused as err:
-        return f"at {run} tokens, past its config's {declared}, the forward that shows it cannot run: {err}"
-    window = sizes.get("sliding_window")
-    hidden = [(name, keys) for name, keys in seen if keys is False or (keys is not None and keys != window)]
-    if not hidden:
-        return None
-    name, keys = hidden[0]
-    what = f"all but the last {keys} keys" if keys else "keys other than later ones or a sliding window's"
-    return f"at {run} tokens, past its config's {declared}, `{name}` (and {len(hidden) - 1} other calls) hides {what}"
 
 
 def softmax_scales(site: RotarySite, rope: dict) -> list[float | None]:
@@ -440,6 +466,7 @@ class LlamaFamily(FamilyAdapter):
         config = site.config
         structure = site.structure
         elsewhere = ", ".join(f"`{name}`" for name in structure.rotation_elsewhere)
+        shown = KeysShown(site)
         return ModelFacts(
             family=self.name,
             backend=base_name(config._attn_implementation or "eager"),
@@ -450,8 +477,8 @@ class LlamaFamily(FamilyAdapter):
             static_only=f"{REASONS['rotation']}: {structure.static_only}" if structure.static_only else None,
             not_plain_attention=None if structure.plain_attention else ATTENTION_REFUSAL,
             rotation_elsewhere=f"{REASONS['rotation-elsewhere']}: {elsewhere}" if elsewhere else None,
-            keys_hidden=partial(keys_hidden_past, site),
-            sliding_window=hiding_sizes(config).get("sliding_window"),
+            keys_hidden=shown.hidden,
+            sliding_window=shown.sliding_window,
         )
 
     def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
@@ -618,7 +645,7 @@ class LlamaFamily(FamilyAdapter):
         try:
             # patch() proved at its length which keys the model's attention sees; every backend
             # computes that same attention, so the proof stands and its forward is not run again
-            facts = replace(self.facts(site), keys_hidden=None)
+            facts = replace(self.facts(site), keys_hidden=None, sliding_window=None)
             rotary.method.resolve(facts, rotary.geometry, rotary.factor, rotary.params)
             if (refused := refusal(rotary.method, facts, math.ceil(rotary.geometry.original_window * rotary.factor))) is not None:
                 raise ValueError(refused)

@@ -326,8 +326,10 @@ class ModelFacts:
     # (a chunk, an indexer's top-k), proven by a forward past the sizes the config declares, which
     # runs only when asked (the patch's length decides how far); None: it hides nothing else.
     keys_hidden: Callable[[int], str | None] | None = None
-    # The window of the model's sliding-window layers; None when every layer attends every earlier key.
-    sliding_window: int | None = None
+    # The window of the model's sliding-window layers below a length, shown by a forward past the
+    # window its config declares (the one that keys_hidden runs); None: every layer attends every
+    # earlier key within that length, or nothing is known of a window.
+    sliding_window: Callable[[int], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,7 @@ def refusal(method: Method, facts: ModelFacts, length: int) -> str | None:
         )
     # A window no shorter than the patch's length hides no key inside it (Phi-3.5's 262144 over
     # 4096 x s); past that length one_sequence refuses the mask that hides keys, at run time.
-    if requires.keys_by_position and (window := facts.sliding_window) is not None and window < length:
+    if requires.keys_by_position and facts.sliding_window is not None and (window := facts.sliding_window(length)) is not None:
         return (
             f"{name}: the model's layers attend through a sliding window of {window} tokens (config sliding_window), "
             f"shorter than the {length} the patch is meant for, which {name} cannot keep: it chooses the keys "

@@ -126,3 +126,18 @@ def test_the_attention_check_holds_in_half_precision(tiny_path, dtype):
     softcapped = tiny("gemma2").to(dtype)
     with pytest.raises(ValueError, match="self_extend: the model's attention is not causal softmax attention"):
         rope_ext.patch(softcapped, "self_extend", factor=4)
+
+
+@pytest.mark.parametrize("method", ["dca", "sink_window"])
+def test_a_sliding_window_key_the_architecture_never_applies_refuses_nothing(method):
+    """A stray `sliding_window` on a LLaMA config, which LlamaAttention never reads (issue #51
+    item 7): a forward past it shows every key attended, so the methods that choose keys by
+    position take the model, as they take it without the key."""
+    from helpers import random_ids, random_model
+
+    model = random_model("llama", sliding_window=16)
+    reference = random_model("llama")
+    x = random_ids(3 * 64)
+    for each in (model, reference):
+        rope_ext.patch(each, method, factor=4)
+    assert torch.equal(logits(model, x), logits(reference, x))
