@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,13 @@ def random_config(model_type: str = "llama", attn: str = "sdpa", rope_parameters
     )
     config._attn_implementation = attn
     return config
+
+
+def in_another_thread(call) -> Future:
+    """call() run to its end in a new thread while this one waits (from a forward hook: inside this
+    thread's forward, at a layer boundary): its Future, whose result() is call's or raises its error."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(call)
 
 
 def random_ids(length: int, seed: int = 0) -> torch.LongTensor:

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import rope_ext
 
-from helpers import DYNAMIC_METHODS, WINDOW, greedy, native_twin, random_ids, random_model
+from helpers import DYNAMIC_METHODS, WINDOW, greedy, in_another_thread, native_twin, random_ids, random_model
 
 
 @torch.no_grad()
@@ -209,8 +209,6 @@ def test_two_threads_decode_on_one_patched_model_each_with_its_cache(method):
     """One patched model, two threads, each decoding its own prompt with its own KV cache (issue #51
     item 4): every step of the second thread runs while the first one's is inside its forward, at
     every layer boundary of that forward, and both give the logits each gives alone, bit for bit."""
-    import threading
-
     model = random_model()
     rope_ext.patch(model, method, factor=4)
     first, second = random_ids(WINDOW + 20, seed=1), random_ids(WINDOW + 30, seed=2)
@@ -219,29 +217,22 @@ def test_two_threads_decode_on_one_patched_model_each_with_its_cache(method):
     second_cache, second_out, pending = DynamicCache(config=model.config), [], []
     spans = iter([(0, second.shape[1] - 3)] + [(t, t + 1) for t in range(second.shape[1] - 3, second.shape[1])])
 
+    @torch.no_grad()
     def second_step():
-        try:
-            start, stop = next(spans)
-            with torch.no_grad():
-                second_out.append(model(second[:, start:stop], cache=second_cache, use_cache=True).logits)
-        except Exception as err:  # re-raised in the test's thread
-            second_out.append(err)
+        start, stop = next(spans)
+        return model(second[:, start:stop], cache=second_cache, use_cache=True).logits
 
     def inside_first(module, args):
         if pending:
             pending.pop()
-            worker = threading.Thread(target=second_step)
-            worker.start()
-            worker.join()
+            second_out.append(in_another_thread(second_step))
 
     hook = model.model.layers[1].register_forward_pre_hook(inside_first)
     try:
         together = decode_steps(model, first, DynamicCache(config=model.config), 3, lambda step: pending.append(step))
     finally:
         hook.remove()
-    for out in second_out:
-        if isinstance(out, Exception):
-            raise out
+    second_out = [step.result() for step in second_out]
     assert all(torch.equal(a, b) for a, b in zip(together, alone[0]))
     assert len(second_out) == 4 and all(torch.equal(a, b) for a, b in zip(second_out, alone[1]))
 

@@ -11,7 +11,7 @@ from transformers.models.llama import modeling_llama
 
 from rope_ext.patches.probe import PROBE_LENGTH, REASONS, Refused, probe
 
-from helpers import logits, random_ids, random_model
+from helpers import in_another_thread, logits, random_ids, random_model
 
 LAYERS = ("model.layers.0.self_attn", "model.layers.1.self_attn")
 
@@ -115,8 +115,6 @@ def test_two_threads_probe_two_models_at_once():
     """A probe that runs while another thread's probe is inside its forward (issue #51 item 3): the
     second thread patches its model from the middle of the first one's forward, and each probe sees
     its own model's attention calls only."""
-    import threading
-
     import rope_ext
 
     first, second = random_model("llama"), random_model("llama", seed=1)
@@ -126,26 +124,17 @@ def test_two_threads_probe_two_models_at_once():
         twin = copy.deepcopy(model)
         rope_ext.patch(twin, "dynamic", factor=4)
         expected.append(logits(twin, ids))
-    outcome = {}
-
-    def patch_second():
-        try:
-            outcome["second"] = rope_ext.patch(second, "dynamic", factor=4)
-        except Exception as err:  # re-raised in the test's thread
-            outcome["second"] = err
+    patched = []
 
     def in_the_middle(module, args):
-        if "second" not in outcome:
-            worker = threading.Thread(target=patch_second)
-            worker.start()
-            worker.join()
+        if not patched:
+            patched.append(in_another_thread(lambda: rope_ext.patch(second, "dynamic", factor=4)))
 
     hook = first.model.layers[1].register_forward_pre_hook(in_the_middle)
     try:
         rope_ext.patch(first, "dynamic", factor=4)
     finally:
         hook.remove()
-    if isinstance(outcome["second"], Exception):
-        raise outcome["second"]
+    patched[0].result()
     for model, reference in zip((first, second), expected):
         assert torch.equal(logits(model, ids), reference)
