@@ -50,7 +50,7 @@ def from_pretrained(path, **kwargs) -> nn.Module:
         raise ValueError(
             f"{path} is a peft adapter folder (PeftModel.save_pretrained, what transformers' Trainer writes): it holds "
             "the adapter but not the patch its base was trained under, and a plain PeftModel.from_pretrained of it "
-            "attaches it to the unpatched base. Write the patch beside it with rope_ext.save_record(folder, base, "
+            "attaches it to the unpatched base. Write the patch beside it with rope_ext.saving.save_record(folder, base, "
             "model) after training (docs/finetune.md), then rope_ext.from_pretrained(folder) rebuilds base -> patch -> adapter"
         )
     with record.unlisted_keys_quiet():

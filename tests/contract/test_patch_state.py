@@ -205,8 +205,12 @@ def test_a_peft_adapter_folder_without_the_patch_is_refused_naming_the_remedy(tm
     model = random_model()
     rope_ext.patch(model, "dynamic", factor=4)
     get_peft_model(model, LoraConfig(target_modules=["q_proj", "v_proj"], r=2)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"is a peft adapter folder .* rope_ext.save_record\(folder, base, model\)"):
+    with pytest.raises(ValueError, match=r"is a peft adapter folder .* rope_ext\.saving\.save_record\(folder, base, model\)"):
         rope_ext.from_pretrained(tmp_path)
+    # the remedy it names is a function (issue #51 item 9)
+    from rope_ext.saving import save_record
+
+    assert callable(save_record)
 
 
 @pytest.mark.parametrize(
