@@ -118,11 +118,11 @@ def chunking_refusal(method, params: dict) -> str | None:
     """Why an input split across forwards past the trained window (chunks, a prefill apart from
     the last prompt token) cannot give the numbers of one forward under the method `method` bound
     to `params`, or None."""
-    if method.follows_length and params.get("causal", True) is False:
+    if (what := method.by_forward(params)) is not None:
         return (
-            f"{method.name} with causal=False scales every query of a forward for that forward's longest position, "
-            "so an input split into chunks past the trained window is scaled for each chunk's end, not for the "
-            "whole input; run it in one forward, or patch with causal=True (the default), whose chunks are exact"
+            f"{method.name} with causal=False {what}, so an input split into chunks past the trained window is "
+            "computed for each chunk's end, not for the whole input; run it in one forward, or patch with "
+            "causal=True (the default), whose chunks are exact"
         )
     return None
 

@@ -71,6 +71,11 @@ class AttentionMethod(Method):
     def schedule(self) -> tuple[str, ...]:
         return ("causal",) if self.switches else ()
 
+    def by_forward(self, params: dict) -> str | None:
+        if self.switches and params.get("causal", True) is False:
+            return f"switches every query of a forward to {self.switches} once that forward passes the trained window"
+        return None
+
     def validate(self, factor, params: dict) -> dict:
         """Method.validate, once the schedule a record written before this base holds is dropped
         where it does not apply (`_drop_fixed_schedule`): records' compatibility, not a rule of a

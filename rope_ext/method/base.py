@@ -453,6 +453,14 @@ class Method:
             return ("causal",)
         return tuple(SCHEDULE_PARAMS) if self.follows_length else ()
 
+    def by_forward(self, params: dict) -> str | None:
+        """What the method bound to `params` does to every query of a forward by that forward's own
+        length (causal=False), so that an input split across forwards is not computed as one
+        forward; None: each query by its own position."""
+        if "causal" in self.schedule and params.get("causal", True) is False and self.follows_length:
+            return "scales every query of a forward for that forward's longest position"
+        return None
+
     @property
     def specs(self) -> dict:
         """{name: Param} of every parameter the method takes: its own, the schedule's that apply,

@@ -233,6 +233,12 @@ class DualChunkMethod(AttentionMethod):
             "model again with dca (docs/dca.md)"
         )
 
+    def by_forward(self, params: dict) -> str | None:
+        # without the temperature (False; None is decided by the model's config) n plays no part
+        if params.get("causal", True) is False and params.get("temperature") is not False:
+            return "takes n, the length of Qwen's temperature, from each forward (the engines' prefill takes the whole prompt's)"
+        return None
+
     def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
         stated = stated_sizes(facts.config.get(CONFIG_KEY))

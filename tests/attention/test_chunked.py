@@ -247,3 +247,29 @@ def test_the_evals_refuse_causal_false_chunks_before_the_model_loads(no_model, t
     if command == "ppl":
         argv += ["--lengths", "64"]
     assert "--chunk-size: dynamic with causal=False" in cli_error_line([*argv, "--output", str(tmp_path / "o")], capsys)
+
+
+@pytest.mark.parametrize(
+    "method, params",
+    [("self_extend", {}), ("rerope", {}), ("dca", {"temperature": True})],
+    ids=["self_extend", "rerope", "dca with the temperature"],
+)
+def test_chunks_past_the_window_are_refused_where_causal_false_reads_the_forwards_length(tmp_path, capsys, method, params):
+    """causal=False switches every query of a forward by that forward's length: self_extend's and
+    rerope's grouped or rectified attention, dca's n of Qwen's temperature (issue #51 items 10, 11;
+    on this random model 32-token chunks of 200 tokens move a token's loss by 1e-3). Refused with
+    the reason, as dynamic's is; dca without the temperature reads no length, and chunks it exactly."""
+    from helpers import random_ids, random_model
+
+    ids = random_ids(200, seed=1)[0]
+    model = random_model()
+    rope_ext.patch(model, method, factor=4, causal=False, **params)
+    with pytest.raises(ValueError, match=f"{method} with causal=False .*run it in one forward"):
+        chunked.chunked_nll(model, ids, chunk_size=32)
+    given = [arg for key, value in {"causal": False, **params}.items() for arg in ("--param", f"{key}={value}")]
+    argv = ["eval", "ppl", "--method", method, "--factor", "4", *given, "--chunk-size", "32", "--lengths", "64"]
+    assert f"--chunk-size: {method} with causal=False" in cli_error_line([*argv, "--output", str(tmp_path / "o")], capsys)
+    model = random_model()
+    rope_ext.patch(model, "dca", factor=4, causal=False, temperature=False)
+    one = chunked.chunked_nll(model, ids, chunk_size=200)
+    assert (chunked.chunked_nll(model, ids, chunk_size=32) - one).abs().max() <= 1e-5
