@@ -281,6 +281,25 @@ def test_published_shapes_are_patched_exactly(shape, tmp_path):
     assert {method: method_reason(message) for method, message in refusals.items()} == REFUSED.get(shape, {})
 
 
+@pytest.mark.slow
+def test_inside_gpt_oss_window_dynamic_is_the_unpatched_forward_over_those_tokens():
+    """gpt-oss's eager attention with learned sinks (issue #51 item 11): under dynamic, the rows of
+    an input past the served window that sit inside it are the unpatched model's forward over those
+    tokens, bit for bit; its own rows of the longer forward move by 2.4e-7, as docs/concepts.md
+    states where it promises exactness inside the window."""
+    from pathlib import Path
+
+    promise = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
+    assert "gpt-oss's eager attention with its learned sinks does not" in promise
+    model = model_of("gpt-oss")
+    served = EXTENDED["gpt-oss"]
+    x = ids(served + 100)
+    with torch.no_grad():
+        alone = model(x[:, :served]).logits
+        rope_ext.patch(model, "dynamic", factor=2)
+        assert torch.equal(model(x).logits[:, :served], alone)
+
+
 @pytest.mark.parametrize("shape", sorted(EXTENDED))
 def test_a_shipped_scaling_is_the_base_and_its_context_the_window(shape):
     model = model_of(shape)
