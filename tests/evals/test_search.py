@@ -279,7 +279,15 @@ def test_a_resume_refuses_a_log_of_another_space_and_a_temperature_the_method_do
     out.mkdir()
     argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
     setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
-    setup = {**setup, "population": 16, "dtype": "auto", "original_window": None, "space": "dpe", "temperature": False, "depths": "spread"}
+    setup = {
+        **setup,
+        "population": 16,
+        "dtype": "auto",
+        "original_window": None,
+        "space": "dpe",
+        "temperature": False,
+        "depths": "spread",
+    }
     (out / LOG).write_text(json.dumps({"setup": {**setup, "groups": 8}}) + "\n")
     before = (out / LOG).read_text()
     assert "is a search of the dpe space, not longrope; give --space dpe" in cli_error_line(argv + ["--resume"], capsys)
