@@ -262,24 +262,8 @@ class PatchedModel:
             model.__dict__.pop(name, None)
 
     def save_pretrained(self, *args, **kwargs):
-        if not self.reloads_natively:
-            warnings.warn(
-                f"rope_ext: no transformers rope_parameters express the {self.method!r} patch of this model, so a plain "
-                "from_pretrained of the checkpoint loads the unpatched model; load it with rope_ext.from_pretrained(path), "
-                "which re-applies the patch",
-                UserWarning,
-                stacklevel=2,
-            )
-        else:
-            found = engine_verdicts(self.model, native=True)
-            differ = {engine: verdict for engine, verdict in found.items() if verdict.startswith("not as patched")}
-            if differ:
-                listed = "; ".join(f"{engine} {verdict}" for engine, verdict in differ.items())
-                warnings.warn(
-                    f"rope_ext: transformers reloads this checkpoint as patched, but {listed} (docs/serving.md)",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        if (warning := save_warning(self.model, self.method, self.reloads_natively)) is not None:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         return type(self.model).save_pretrained(self.model, *args, **kwargs)
 
     def _get_stopping_criteria(self, *args, **kwargs):
@@ -316,6 +300,36 @@ def engine_verdicts(model: nn.Module, native: bool) -> dict[str, str]:
     """engine -> what it serves from the config.json a save of this patched model writes, `native`
     where that config holds the patch's native form (rope_ext.serving.verdicts)."""
     return serving.verdicts(serving.written(model), installed_patch(model), installed_rotary(model), native)
+
+
+def served_verdicts(model: nn.Module, native: bool) -> dict[str, str]:
+    """transformers' verdict (rope_ext.serving.transformers_verdict), then each engine's: the one
+    table every message about a written checkpoint is worded from."""
+    return {serving.TRANSFORMERS: serving.transformers_verdict(installed_rotary(model), native), **engine_verdicts(model, native)}
+
+
+def verdict_message(method: str, found: dict[str, str]) -> str | None:
+    """The one sentence about a written checkpoint's readers, from `found` (served_verdicts): None
+    where every reader serves it as patched."""
+    if all(verdict == "unpatched" for verdict in found.values()):
+        return (
+            f"no transformers rope_parameters express the {method!r} patch of this model, so a plain from_pretrained of "
+            "the checkpoint (or an engine) loads the unpatched model; load it with rope_ext.from_pretrained(path), which "
+            "re-applies the patch"
+        )
+    differ = {reader: verdict for reader, verdict in found.items() if verdict != "as patched"}
+    if not differ:
+        return None
+    right = [reader for reader, verdict in found.items() if verdict == "as patched"]
+    served = f"{', '.join(right)} serve{'s' if len(right) == 1 else ''} this checkpoint as patched; " if right else ""
+    listed = "; ".join(f"{reader} {verdict}" for reader, verdict in differ.items())
+    return f"{served}{listed} (docs/serving.md); rope_ext.from_pretrained(path) re-applies the patch"
+
+
+def save_warning(model: nn.Module, method: str, native: bool) -> str | None:
+    """What `save_pretrained` of a patched model warns: `verdict_message`, prefixed."""
+    message = verdict_message(method, served_verdicts(model, native))
+    return None if message is None else f"rope_ext: {message}"
 
 
 def describe(model: nn.Module) -> dict | None:
