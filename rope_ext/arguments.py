@@ -355,7 +355,9 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", metavar="MODEL", help=f"local checkpoint folder, hub id, or {DEFAULT_MODEL} (the embedded SmolLM2)"
     )
-    parser.add_argument("out", metavar="OUT", help="new (or empty) folder for the patched checkpoint (weights linked, not copied)")
+    parser.add_argument(
+        "out", metavar="OUT", help="new (or empty) folder for the patched checkpoint (weights linked, not copied)"
+    )
     parser.add_argument("--method", required=True, help=METHOD_HELP)
     parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")
     parser.add_argument(

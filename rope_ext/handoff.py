@@ -132,8 +132,10 @@ def model_card(base_model: str, info: PatchInfo, verdicts: dict, found: dict, ou
         "",
         "| method | factor | base | window | meant for | rope_type written |",
         "|---|---|---|---|---|---|",
-        f"| {info.method} | {info.factor:g} | {facts['base']} | {info.original_window} ({facts['window_source']}) | "
-        f"{info.max_length} | {facts['native_rope_type'] or '- (none: rope-ext record only)'} |",
+        (
+            f"| {info.method} | {info.factor:g} | {facts['base']} | {info.original_window} ({facts['window_source']}) | "
+            f"{info.max_length} | {facts['native_rope_type'] or '- (none: rope-ext record only)'} |"
+        ),
         "",
         "## What each reader serves from config.json",
         "",

@@ -22,7 +22,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from rope_ext import defaults, method as registry, record
+from rope_ext import defaults, record
+from rope_ext import method as registry
 from rope_ext.method.base import as_size
 
 # weight files: linked or copied, never read
@@ -79,6 +80,9 @@ def check_folder(folder: Path, name: str) -> None:
         )
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"MODEL {name}: {folder} holds no config.json (a checkpoint folder holds one)")
+    from rope_ext.twin import read_config
+
+    read_config(folder)  # a model type transformers knows, or the reason no twin can be built
 
 
 def hub_snapshot(repo: str) -> Path:
@@ -119,7 +123,9 @@ def check(args: argparse.Namespace) -> Plan:
         return Plan(params, local, None, window)
     if looks_like_path(args.model):
         raise FileNotFoundError(f"MODEL {args.model}: no such folder ({local.absolute()})")
-    return Plan(params, hub_snapshot(args.model), args.model, window)
+    folder = hub_snapshot(args.model)
+    check_folder(folder, args.model)
+    return Plan(params, folder, args.model, window)
 
 
 def link_or_copy(source: Path, target: Path, copy: bool) -> str:
@@ -254,7 +260,11 @@ def print_report(report: dict, found: dict) -> None:
     scaling = f"its shipped {base['scaling']} scaling" if base["scaling"] else "the trained frequencies"
     weights = report["files"]["weights"]
     how = ", ".join(sorted(set(weights.values()))) or "none here"
-    tokenizer = f"tokenizer model_max_length {report['max_length']}" if report["files"]["tokenizer_config"] else "no tokenizer_config.json"
+    tokenizer = (
+        f"tokenizer model_max_length {report['max_length']}"
+        if report["files"]["tokenizer_config"]
+        else "no tokenizer_config.json"
+    )
     print(f"{report['method']} x{report['factor']:g}: {scaling} over a {report['window']}-token window ({base['source']}),")
     print(f"meant for {report['max_length']} tokens; wrote {report['out']} (config.json, {tokenizer}, README.md; weights {how})")
     for note in report["notes"]:

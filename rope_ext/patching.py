@@ -32,8 +32,9 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
-from .method.base import as_size, refusal
 from . import record, serving
+from .geometry import RotaryGeometry
+from .method.base import as_size, refusal
 from .patches import find_adapter
 from .record import Patch
 from .shipped import shipped_of
@@ -338,9 +339,32 @@ def describe(model: nn.Module) -> dict | None:
     return None if applied is None else applied.described()
 
 
+def native_type(spec) -> str | None:
+    """The transformers rope_type `spec` writes at its default parameters over a model with no
+    shipped scaling, or None where it writes none (only rope_ext.from_pretrained reloads it). A
+    parameter the method requires, or a list of factors it otherwise derives from the model, is given
+    a value (the type does not depend on it): 1 per pair for a list, 2 for a number."""
+    geometry = RotaryGeometry(rotary_dim=64, base=10000.0, original_window=8192)
+    given = {
+        name: [1.0] * (geometry.rotary_dim // 2) if param.kind == "list" else 2.0
+        for name, param in spec.params.items()
+        if param.required or (param.kind == "list" and param.default is None and param.item.kind in ("float", "number"))
+    }
+    bound = spec.bind(given)
+    native = bound.native(geometry, 4.0, bound.validate(4.0, given), {})
+    return None if native is None else native["rope_type"]
+
+
 def listing() -> dict[str, dict]:
-    """Every method with its summary, formula, parameters (with defaults) and whether it is dynamic."""
+    """Every method with its summary, formula, parameters (with defaults), whether it is dynamic
+    and the rope_type it writes to config.json (`native_type`)."""
     return {
-        name: {"summary": m.summary, "formula": m.formula, "params": {"factor": None, **m.all_params}, "dynamic": m.dynamic}
+        name: {
+            "summary": m.summary,
+            "formula": m.formula,
+            "params": {"factor": None, **m.all_params},
+            "dynamic": m.dynamic,
+            "native_type": native_type(m),
+        }
         for name, m in methods.REGISTRY.items()
     }

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
+from transformers import CONFIG_MAPPING, PreTrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from . import record
@@ -280,7 +280,5 @@ def patch_config(
     writes to config.json, found without the weights (on the checkpoint's small twin, module
     docstring). Every other field of the checkpoint's config.json stays as shipped. Raises
     ValueError, writing nothing, where `patch` would, or where no twin can be built."""
-    twin = patch_twin(
-        config_or_folder, method, factor, original_window=original_window, allow_shrink=allow_shrink, **params
-    )
+    twin = patch_twin(config_or_folder, method, factor, original_window=original_window, allow_shrink=allow_shrink, **params)
     return twin.config, twin.info
