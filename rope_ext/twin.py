@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import CONFIG_MAPPING, PreTrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
 from . import record
 from .patching import PatchInfo, installed_rotary, patch
+from .saving import causal_lm_class_of
 
 TWIN_VOCAB = 128
 TWIN_HIDDEN = 64
@@ -164,27 +164,14 @@ def twin_config(config: PreTrainedConfig, keep_hidden: bool = False) -> PreTrain
         return type(config).from_dict(twin)
 
 
-def causal_lm(config: PreTrainedConfig) -> type:
-    """The class that builds a causal LM of `config`: the auto class, or the `architectures` class
-    of a text config no auto class maps (rope_ext.saving.causal_lm_class, for a config object)."""
-    import transformers
-
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    named = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or ()]
-    found = next((cls for cls in named if getattr(cls, "config_class", None) is type(config)), None)
-    if found is None:
-        raise ValueError(f"transformers has no causal LM class for a {type(config).__name__}: no twin can be built")
-    return found
-
-
 def build_twin(config: PreTrainedConfig, keep_hidden: bool) -> nn.Module:
     """The twin model, random weights in the checkpoint's dtype, after checking its size on the
     meta device."""
     twin = twin_config(config, keep_hidden)
-    cls = causal_lm(twin)
+    cls = causal_lm_class_of(twin)
+    build = cls.from_config if cls is AutoModelForCausalLM else cls._from_config
     with torch.device("meta"):
-        size = sum(p.numel() for p in cls._from_config(twin).parameters())
+        size = sum(p.numel() for p in build(twin).parameters())
     if size > TWIN_PARAMETERS:
         raise ValueError(
             f"the small twin of this {config.model_type} config would hold {size / 1e6:.0f}M parameters (its head size "
@@ -193,7 +180,7 @@ def build_twin(config: PreTrainedConfig, keep_hidden: bool) -> nn.Module:
         )
     dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     torch.manual_seed(0)
-    return cls._from_config(twin, dtype=dtype).eval()
+    return build(twin, dtype=dtype).eval()
 
 
 def head_size(config: dict) -> int | None:
@@ -224,10 +211,8 @@ def patch_twin(
     for keep_hidden in (False, True):
         try:
             model = build_twin(config, keep_hidden)
-        except ValueError:
-            raise
-        except Exception as err:  # a config transformers cannot build small: try the full width
-            last = err
+        except (ValueError, TypeError, RuntimeError, AttributeError, IndexError, KeyError, AssertionError) as err:
+            last = err  # a config transformers cannot build small (or too large a twin): try the full width
             continue
         before = json.loads(model.config.to_json_string(use_diff=False))
         info = patch(model, method, factor, original_window=original_window, allow_shrink=allow_shrink, **params)
