@@ -242,9 +242,10 @@ class PatchedModel:
     instance by `patch` and removed by `unpatch` (an object, so that `copy.deepcopy` of the model
     gives methods of the copy):
 
-    - `save_pretrained` warns when transformers alone cannot reload the patch (no native
-      `rope_parameters`): such a checkpoint loads as another model except through
-      `rope_ext.from_pretrained`;
+    - `save_pretrained` warns when a reader of the written config (transformers, vLLM, SGLang)
+      does not serve it as patched, worded from `served_verdicts` (`save_warning`), the table
+      `rope-ext patch` prints: without a native `rope_parameters` the checkpoint loads as another
+      model except through `rope_ext.from_pretrained`;
     - `_get_stopping_criteria` (generate) moves transformers' "exceeded the model's predefined
       maximum length" reminder from the config's window to the length the patch is meant for."""
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
@@ -126,8 +127,10 @@ def shrunk(config: dict, keep_hidden: bool) -> dict:
         for key, value in config.items():
             if isinstance(value, list) and len(value) == layers:
                 twin[key] = value[:kept]
+    heads = config.get("num_attention_heads")
     if not keep_hidden and isinstance(config.get("head_dim"), int) and isinstance(config.get("hidden_size"), int):
-        twin["hidden_size"] = TWIN_HIDDEN
+        # a multiple of the heads, which some configs require of the hidden size
+        twin["hidden_size"] = -(-TWIN_HIDDEN // heads) * heads if isinstance(heads, int) and heads > 0 else TWIN_HIDDEN
     for key, value in config.items():
         if isinstance(value, int) and not isinstance(value, bool) and key.endswith("intermediate_size"):
             twin[key] = min(value, TWIN_INTERMEDIATE)
@@ -211,7 +214,7 @@ def patch_twin(
     for keep_hidden in (False, True):
         try:
             model = build_twin(config, keep_hidden)
-        except (ValueError, TypeError, RuntimeError, AttributeError, IndexError, KeyError, AssertionError) as err:
+        except (ValueError, StrictDataclassError, TypeError, RuntimeError, AttributeError, IndexError, KeyError) as err:
             last = err  # a config transformers cannot build small (or too large a twin): try the full width
             continue
         before = json.loads(model.config.to_json_string(use_diff=False))

@@ -149,6 +149,17 @@ def test_the_config_only_checkpoint_reloads_as_the_full_patch_of_the_tiny_traine
     check_equal_to_full_patch(Path(tiny_path), tmp_path, method, random_ids(300, seed=1) % 97)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["yarn", "self_extend"])
+def test_the_config_only_checkpoint_reloads_as_the_full_patch_of_the_embedded_smollm2(tmp_path, method):
+    """SmolLM2-135M: 9 heads of 64 (the twin's hidden size a multiple of the heads, 72), 30 layers."""
+    from rope_ext.defaults import smollm2_path
+
+    check_equal_to_full_patch(
+        smollm2_path(), tmp_path, method, torch.randint(0, 49152, (1, 300), generator=torch.Generator().manual_seed(3))
+    )
+
+
 @pytest.mark.parametrize("method", ["yarn", "linear"])
 def test_the_config_only_checkpoint_reloads_as_the_full_patch_of_a_gemma3(tmp_path, method):
     source = gemma3_folder(tmp_path / "src")
