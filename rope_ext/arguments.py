@@ -365,7 +365,9 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", metavar="MODEL", help=f"local checkpoint folder, hub id, or {DEFAULT_MODEL} (the embedded SmolLM2)"
     )
-    parser.add_argument("out", metavar="OUT", help="new (or empty) folder for the patched checkpoint")
+    parser.add_argument(
+        "out", metavar="OUT", help="new (or empty) folder for the patched checkpoint (weights linked, not copied)"
+    )
     parser.add_argument("--method", required=True, help=METHOD_HELP)
     parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")
     parser.add_argument(
@@ -385,6 +387,10 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-shrink", action="store_true", help="accept a patch meant for fewer tokens than the checkpoint serves"
     )
+    parser.add_argument(
+        "--copy-weights", action="store_true", help="copy the weight files into OUT (default: hard links, else symbolic)"
+    )
+    parser.add_argument("--json", action="store_true", help="print everything as one JSON object")
 
 
 def needle_prompt_arguments(parser: argparse.ArgumentParser, seeds: str) -> None:
