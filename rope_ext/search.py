@@ -79,7 +79,7 @@ def spell(key: int, needle: str) -> str:
 def spread(samples: int) -> list[float]:
     """`samples` depths spread evenly over the whole prompt, the middle of each of `samples` equal
     slices: a position map that cannot read from some band of the prompt is scored on it once the
-    slices are narrower than the band (the passkey sweep's blind band on SmolLM2 is ~0.1 wide)."""
+    slices are narrower than the band."""
     return [(sample + 0.5) / samples for sample in range(samples)]
 
 
