@@ -297,7 +297,7 @@ def run(args: argparse.Namespace, plan) -> int:
                 passkey_lengths,
                 args.passkey_depths,
                 args.passkey_trials,
-                args.seed or 0,
+                (args.seed or 0,),
                 progress=not args.no_progress,
             )
         if ruler is not None:

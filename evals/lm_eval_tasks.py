@@ -11,7 +11,8 @@ than given documents built for the earlier model. Options come through --metadat
 TaskManager(metadata=)):
 
 rope_ext_passkey   passkey_lengths (default: powers of two from max_length/8 up to max_length),
-                   passkey_depths (default 0.1 0.3 0.5 0.7 0.9), passkey_trials (5), passkey_seed (0)
+                   passkey_depths (default: `rope-ext eval passkey`'s 19, 0.05 to 0.95),
+                   passkey_trials (1), passkey_seed (0)
 rope_ext_longppl   longppl_path (a local text file or folder) or longppl_docs (embedded Gutenberg
                    play names; default: the four plays the tiny test model never trains on)
 """
@@ -83,10 +84,10 @@ def passkey_dataset(**metadata) -> dict:
     tokenizer, max_length = evaluated_model("rope_ext_passkey")
     depths = metadata.get("passkey_depths", passkey_mod.DEFAULT_DEPTHS)
     depths = [float(d) for d in (depths if isinstance(depths, (list, tuple)) else [depths])]
-    trials, seed = int(metadata.get("passkey_trials", 5)), int(metadata.get("passkey_seed", 0))
+    trials, seed = int(metadata.get("passkey_trials", 1)), int(metadata.get("passkey_seed", 0))
     lengths = passkey_lengths(metadata, tokenizer, max_length)
     docs = []
-    for length, depth, trial in passkey_mod.grid(lengths, depths, trials):
+    for length, depth, _, trial in passkey_mod.grid(lengths, depths, trials, seeds=(seed,)):
         key = passkey_mod.trial_key(seed, length, depth, trial)
         prompt = passkey_mod.build_prompt(tokenizer, length - ANSWER_TOKENS, depth, key)
         docs.append(

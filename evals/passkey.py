@@ -11,6 +11,11 @@ key is" with the key. A prompt's length is its token count (special tokens the t
 included); it is the longest such prompt that fits in the requested length, so it falls short by
 less than one filler sentence. The key of each trial is drawn from 1..50000 by a generator seeded
 with (seed, length, depth, trial), so a cell's keys do not depend on the rest of the grid.
+
+The default grid is dense: 19 depths, 0.05 to 0.95, and two seeds. The key's depth is what a
+retrieval result depends on (the filler is fixed; a seed changes the key's digits only), and a grid
+of a few depths can step over a band of depths a method cannot read from; a claim speaks of the
+depths measured.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from rope_ext import arguments
-from rope_ext.arguments import DEFAULT_DEPTHS
+from rope_ext.arguments import DEFAULT_DEPTHS, DEFAULT_SEEDS
 from rope_ext import method as registry
 from rope_ext.defaults import resolve_checkpoint
 from rope_ext.record import FINETUNE_FILE, read_finetune
@@ -47,7 +52,7 @@ QUESTION = "What is the pass key? The pass key is"
 KEY_RANGE = (1, 50000)
 PARTIAL = "passkey.partial.json"  # the trials answered so far, while a run goes on
 # what --resume reads of each kept trial; `predicted` and `correct` are derived again from these
-KEPT_FIELDS = {"length": int, "depth": (int, float), "trial": int, "key": int, "answer": str}
+KEPT_FIELDS = {"length": int, "depth": (int, float), "seed": int, "trial": int, "key": int, "answer": str}
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,14 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int |
     return answer
 
 
-def grid(lengths, depths, trials: int, limit: int | None = None) -> list[tuple[int, float, int]]:
-    """(length, depth, trial) cells, length varying fastest, so a --limit still covers every length."""
+def grid(lengths, depths, trials: int, limit: int | None = None, seeds=(0,)) -> list[tuple[int, float, int, int]]:
+    """(length, depth, seed, trial) cells, length varying fastest, then depth, so a --limit still
+    covers every length and the depths of the first seed."""
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
-    cells = [(n, d, t) for t in range(trials) for d in depths for n in lengths]
+    if not seeds:
+        raise ValueError("give at least one seed")
+    cells = [(n, d, s, t) for t in range(trials) for s in seeds for d in depths for n in lengths]
     return cells if limit is None else cells[:limit]
 
 
@@ -172,8 +180,8 @@ def run_trials(
     tokenizer,
     lengths,
     depths=DEFAULT_DEPTHS,
-    trials: int = 5,
-    seed: int = 0,
+    trials: int = 1,
+    seeds=DEFAULT_SEEDS,
     limit: int | None = None,
     progress: bool = True,
     on_trial=None,
@@ -191,18 +199,20 @@ def run_trials(
             raise ValueError(f"depths must be in [0, 1], got {d}")
     for n in lengths:  # a length too small for the prompt fails here, before any trial runs
         build_prompt(tokenizer, n, 0.0, KEY_RANGE[1])
-    cells = grid(lengths, depths, trials, limit)
-    records = kept_trials(answered, cells, seed)
+    seeds = sorted(set(seeds))
+    cells = grid(lengths, depths, trials, limit, seeds)
+    records = kept_trials(answered, cells)
     # asked by length, deepest key first: the prompts of a length then share their filler with the
     # first one asked (model_answerer's share_prefix); the records keep the grid's order
-    asked = sorted((cell for cell in cells if cell not in records), key=lambda cell: (cell[0], -cell[1], cell[2]))
-    for length, depth, trial in tqdm(asked, desc="passkey", unit="trial", disable=not progress, file=sys.stderr):
+    asked = sorted((cell for cell in cells if cell not in records), key=lambda cell: (cell[0], -cell[1], cell[2], cell[3]))
+    for length, depth, seed, trial in tqdm(asked, desc="passkey", unit="trial", disable=not progress, file=sys.stderr):
         prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, trial))
         text = answer(prompt)
         predicted = first_integer(text)
-        records[length, depth, trial] = {
+        records[length, depth, seed, trial] = {
             "length": length,
             "depth": depth,
+            "seed": seed,
             "trial": trial,
             "key": prompt.key,
             "prompt_tokens": len(prompt.ids),
@@ -215,17 +225,18 @@ def run_trials(
     return summarize([records[cell] for cell in cells])
 
 
-def kept_trials(answered, cells: list, seed: int) -> dict:
+def kept_trials(answered, cells: list) -> dict:
     """{cell: record} of the earlier trials that belong to this grid, each scored again from its
     stored answer and key (a record's own `correct` is not trusted: the file may have been edited);
-    ValueError when one holds a key this seed would not draw (it came from another grid)."""
+    ValueError when one holds a key its seed would not draw (it came from another grid)."""
     wanted, kept = set(cells), {}
     for r in answered:
-        cell = (r["length"], r["depth"], r["trial"])
+        cell = (r["length"], r["depth"], r["seed"], r["trial"])
         if cell not in wanted:
             continue
-        if r["key"] != trial_key(seed, *cell):
-            raise ValueError(f"the kept trial {cell} has key {r['key']}, not seed {seed}'s {trial_key(seed, *cell)}")
+        drawn = trial_key(r["seed"], r["length"], r["depth"], r["trial"])
+        if r["key"] != drawn:
+            raise ValueError(f"the kept trial {cell} has key {r['key']}, not seed {r['seed']}'s {drawn}")
         predicted = first_integer(r["answer"])
         kept[cell] = {**r, "predicted": predicted, "correct": predicted == r["key"]}
     return kept
@@ -263,7 +274,8 @@ def markdown(result: dict, setup: dict) -> str:
         f"# Passkey retrieval: {setup['model']} ({setup['method']}"
         + (f" x{setup['factor']:g}" if setup.get("factor") else "")
         + ")\n\n"
-        f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell, seed {setup['seed']}; "
+        f"Greedy, {setup['max_new_tokens']} new tokens, {setup['trials']} trial(s) per cell and seed, "
+        f"{retrieval.seeds_text(setup['seeds'])}; "
         f"model capacity {setup['capacity']} positions ({setup['capacity_note']}). Cells: accuracy; "
         "95% Wilson interval of each length's accuracy."
     )
@@ -331,7 +343,7 @@ def check(args: argparse.Namespace):
     baseline = None
     if args.baseline is not None:
         baseline = retrieval.read_baseline(args.baseline)
-        retrieval.check_baseline(baseline, args.depths, args.trials, args.seed, args.max_new_tokens)
+        retrieval.check_baseline(baseline, args.depths, args.trials, args.seeds, args.max_new_tokens)
     out = output.ResultFolder(args.output, "passkey", ["passkey.json", "passkey.md", "passkey.png"], args.overwrite).claim()
     return params, out, stopped_run(args, out), baseline
 
@@ -360,6 +372,7 @@ def read_partial(path) -> dict:
         raise ValueError(f"--resume: {path} {what}{again}") from None
     if not isinstance(stopped, dict) or not isinstance(stopped.get("setup"), dict) or not isinstance(stopped.get("trials"), list):
         raise ValueError(f"--resume: {path} holds no 'setup' object and 'trials' list: not a passkey partial file{again}")
+    stopped = retrieval.with_seeds(stopped)
     seconds = stopped["setup"].get("seconds")
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise ValueError(f"--resume: {path}: its setup records no 'seconds' (a number){again}")
@@ -410,7 +423,7 @@ def run(args: argparse.Namespace, plan) -> int:
     setup = {
         **loading.describe_setup(model, info, args.method, params, args.chunk_size),
         "trials": args.trials,
-        "seed": args.seed,
+        "seeds": sorted(set(args.seeds)),
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "share_prefix": args.share_prefix,
@@ -435,7 +448,7 @@ def run(args: argparse.Namespace, plan) -> int:
         lengths,
         args.depths,
         args.trials,
-        args.seed,
+        args.seeds,
         args.limit,
         progress=not args.no_progress,
         on_trial=keep,

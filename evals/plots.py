@@ -236,3 +236,25 @@ def search_figure(records: list[dict], space: str, dimension: str, best, seeds: 
     fig.suptitle(f"{model_name(model)}: {space} search, {len(records)} evaluations")
     fig.tight_layout()
     return fig
+
+
+def passkey_sweep(runs: dict):
+    """Dense passkey sweeps side by side, the needle-in-a-haystack picture: one column per run
+    ({label: a passkey result, its `trials`}), one row per key depth, colour = the share of that
+    depth's keys (every seed and trial) answered; each column's label carries its count and 95%
+    interval over all depths."""
+    from .retrieval import counts
+
+    columns, table = [], {}
+    for label, result in runs.items():
+        c = counts(result["trials"])
+        column = f"{label}\n{c['correct']}/{c['total']} ({c['interval'][0]:.2f}-{c['interval'][1]:.2f})"
+        columns.append(column)
+        for trial in result["trials"]:
+            table.setdefault(float(trial["depth"]), {}).setdefault(column, []).append(bool(trial["correct"]))
+    rows = {f"{d:g}": {c: sum(v) / len(v) for c, v in table[d].items()} for d in sorted(table)}
+    fig, ax = plt.subplots(figsize=(2.3 * len(columns) + 2.5, 0.32 * len(rows) + 2.2))
+    _heatmap(
+        fig, ax, rows, columns, "depth of the key", "run (correct of all keys, 95% interval)", "passkey retrieval by key depth"
+    )
+    return fig

@@ -37,6 +37,23 @@ def counts(records: list[dict]) -> dict:
     return {"correct": correct, "total": total, "accuracy": correct / total, "interval": list(wilson(correct, total))}
 
 
+def with_seeds(result: dict) -> dict:
+    """A passkey file in the form this version writes: a file of one seed, written before runs took
+    several, records `seed` in its setup and none in its trials; it reads as `seeds` [seed] and
+    each trial of that seed."""
+    setup = result.get("setup")
+    if not isinstance(setup, dict) or "seeds" in setup or "seed" not in setup:
+        return result
+    seed = setup["seed"]
+    setup = {("seeds" if k == "seed" else k): ([v] if k == "seed" else v) for k, v in setup.items()}
+    trials = [{**t, "seed": seed} if isinstance(t, dict) and "seed" not in t else t for t in result.get("trials") or []]
+    return {**result, "setup": setup, "trials": trials}
+
+
+def seeds_text(seeds) -> str:
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(str(s) for s in seeds)
+
+
 def read_baseline(path) -> dict:
     """The results file of a baseline run (passkey.json), checked to be one: ValueError naming the
     file and what is wrong."""
@@ -55,16 +72,17 @@ def read_baseline(path) -> dict:
         raise ValueError(f"--baseline: {path} holds no trial")
     if result["setup"].get("method") not in (None, "plain"):
         raise ValueError(f"--baseline: {path} measured {result['setup']['method']!r}; the baseline is the unpatched model")
+    result = with_seeds(result)
     lengths = {r["length"] for r in result["trials"]}
     if len(lengths) != 1:
         raise ValueError(f"--baseline: {path} has lengths {sorted(lengths)}; the baseline is one length, the trained window")
     return {**result, "path": str(path)}
 
 
-def check_baseline(baseline: dict, depths, trials: int, seed: int, max_new_tokens: int) -> None:
-    """ValueError unless the baseline asked the same depths and seed as this run, answered with as
-    many new tokens, and holds at least this run's trials at every depth (baseline_summary counts
-    the first `trials` of each depth): a run stopped by --limit holds fewer."""
+def check_baseline(baseline: dict, depths, trials: int, seeds, max_new_tokens: int) -> None:
+    """ValueError unless the baseline asked the same depths and seeds as this run, answered with as
+    many new tokens, and holds at least this run's trials at every depth and seed (baseline_summary
+    counts the first `trials` of each): a run stopped by --limit holds fewer."""
     setup = baseline["setup"]
     theirs = sorted({r["depth"] for r in baseline["trials"]})
     differ = [
@@ -72,7 +90,7 @@ def check_baseline(baseline: dict, depths, trials: int, seed: int, max_new_token
         for name, same in (
             ("depths", theirs == sorted(set(depths))),
             ("trials", isinstance(setup.get("trials"), int) and setup["trials"] >= trials),
-            ("seed", setup.get("seed") == seed),
+            ("seeds", setup.get("seeds") == sorted(set(seeds))),
             ("max_new_tokens", setup.get("max_new_tokens") == max_new_tokens),
         )
         if not same
@@ -80,15 +98,19 @@ def check_baseline(baseline: dict, depths, trials: int, seed: int, max_new_token
     if differ:
         raise ValueError(
             f"--baseline: {baseline['path']} has other {', '.join(differ)} than this run "
-            f"(depths {theirs}, trials {setup.get('trials')}, seed {setup.get('seed')}, "
+            f"(depths {theirs}, trials {setup.get('trials')}, seeds {setup.get('seeds')}, "
             f"max_new_tokens {setup.get('max_new_tokens')}); retained retrieval compares the same prompts' depths and "
-            "keys' seed, answered alike, with at least this run's trials"
+            "keys' seeds, answered alike, with at least this run's trials"
         )
-    missing = [
-        depth
-        for depth in theirs
-        if len({r["trial"] for r in baseline["trials"] if r["depth"] == depth and r["trial"] < trials}) < trials
-    ]
+    missing = sorted(
+        {
+            depth
+            for depth in theirs
+            for seed in setup["seeds"]
+            if len({r["trial"] for r in baseline["trials"] if (r["depth"], r["seed"]) == (depth, seed) and r["trial"] < trials})
+            < trials
+        }
+    )
     if missing:
         raise ValueError(
             f"--baseline: {baseline['path']} holds fewer than {trials} trials at depths {missing} (a run stopped by "

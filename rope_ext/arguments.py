@@ -19,7 +19,9 @@ GUTENBERG = "gutenberg"  # each play one document
 # the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
 GUTENBERG_JOINED = "gutenberg-joined"
 DEFAULT_ROOT = "rope-ext-results"
-DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+# a dense sweep: five depths can step over a band of depths a method does not read from
+DEFAULT_DEPTHS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.1, ... 0.95
+DEFAULT_SEEDS = (0, 1)
 ROPE_RATIO_MEANINGS = ("base", "positions")
 METHOD_HELP = "a method that `rope-ext methods` lists"
 # The method names, known without torch (rope_ext.names): a misspelt method is answered before
@@ -217,10 +219,18 @@ def passkey(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(DEFAULT_DEPTHS),
         metavar="D",
-        help="where the key sits in the filler, 0 = start, 1 = end (default: 0.1 0.3 0.5 0.7 0.9)",
+        help="where the key sits in the filler, 0 = start, 1 = end (default: 19 depths, 0.05 0.1 ... 0.95)",
     )
-    parser.add_argument("--trials", type=int, default=5, help="trials per (length, depth) cell (default: 5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the keys (default: 0)")
+    parser.add_argument(
+        "--seeds",
+        "--seed",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SEEDS),
+        metavar="S",
+        help="seeds of the keys: each (length, depth) cell is asked once per seed and trial (default: 0 1)",
+    )
+    parser.add_argument("--trials", type=int, default=1, help="trials per (length, depth, seed) cell (default: 1)")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
     parser.add_argument(
@@ -239,7 +249,7 @@ def passkey(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="passkey.json (or its folder) of the unpatched model at its trained window with the same depths, "
-        "trials and seed: adds the retained retrieval, accuracy / the baseline's",
+        "trials and seeds: adds the retained retrieval, accuracy / the baseline's",
     )
     model_arguments(parser)
     output_arguments(parser)
@@ -355,7 +365,9 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model", metavar="MODEL", help=f"local checkpoint folder, hub id, or {DEFAULT_MODEL} (the embedded SmolLM2)"
     )
-    parser.add_argument("out", metavar="OUT", help="new (or empty) folder for the patched checkpoint")
+    parser.add_argument(
+        "out", metavar="OUT", help="new (or empty) folder for the patched checkpoint (weights linked, not copied)"
+    )
     parser.add_argument("--method", required=True, help=METHOD_HELP)
     parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")
     parser.add_argument(
@@ -375,6 +387,10 @@ def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-shrink", action="store_true", help="accept a patch meant for fewer tokens than the checkpoint serves"
     )
+    parser.add_argument(
+        "--copy-weights", action="store_true", help="copy the weight files into OUT (default: hard links, else symbolic)"
+    )
+    parser.add_argument("--json", action="store_true", help="print everything as one JSON object")
 
 
 def needle_prompt_arguments(parser: argparse.ArgumentParser, seeds: str) -> None:

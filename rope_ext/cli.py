@@ -24,7 +24,7 @@ COMMANDS = {
     "patch": (
         "rope_ext.patch_checkpoint",
         arguments.patch_checkpoint,
-        "write a patched checkpoint (weights untouched) and say what each engine serves from it",
+        "write a patched checkpoint from its config alone (weights linked) and the commands that serve it",
     ),
     "methods": ("rope_ext.cli", arguments.methods, "list the scaling methods and their parameters (--json)"),
     "env": ("rope_ext.cli", arguments.no_arguments, "versions, device, bf16 support and threads, for bug reports"),

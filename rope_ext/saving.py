@@ -61,9 +61,16 @@ def from_pretrained(path, **kwargs) -> nn.Module:
 
 def causal_lm_class(path, kwargs: dict):
     """AutoModelForCausalLM, or the transformers class config.json names in `architectures` where
-    the auto class maps the config to none: the causal LMs of emu3 and mllama run on a text config
-    of their composite one, which no auto class maps, and save that config."""
+    the auto class maps the config to none (`causal_lm_class_of`)."""
     config = kwargs.get("config") or AutoConfig.from_pretrained(path, **{k: kwargs[k] for k in CONFIG_KEYS if k in kwargs})
+    return causal_lm_class_of(config)
+
+
+def causal_lm_class_of(config):
+    """The class that builds a causal LM of `config`: AutoModelForCausalLM, or the transformers
+    class its `architectures` names where the auto class maps the config to none: the causal LMs of
+    emu3 and mllama run on a text config of their composite one, which no auto class maps, and
+    save that config."""
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return AutoModelForCausalLM
     named = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or ()]

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 import rope_ext
 from rope_ext.arguments import DEFAULT_ROOT
 from rope_ext.evals import loading, output
+from rope_ext.chunked import copy_prefix, new_cache
 from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import as_size, check_factor
@@ -45,12 +46,13 @@ from rope_ext.search_space import DPE_GROUPS, Space, build, check_temperature, n
 
 LOG = "search.jsonl"
 RECORD_KEYS = ("evaluation", "generation", "origin", "loss")
-# what a log written before spaces searched: longrope, its setup line without these
-BEFORE_SPACES = {"space": "longrope", "temperature": False, "groups": None}
+# what a log written before spaces searched (longrope) or before its needles spread over the
+# prompt (DEPTHS in turn): its setup line without these
+BEFORE_SPACES = {"space": "longrope", "temperature": False, "groups": None, "depths": "cycled"}
 BEST = "best.json"
 FIGURE = "search.png"
 CHECKPOINT = "checkpoint"
-DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # dpe-probe's needles, in turn
 NEEDLES = ("digits", "words")
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TRIES = 4  # draws for a child that was not evaluated before
@@ -60,10 +62,12 @@ RELOAD_TOLERANCE = 1e-5  # fp32 logits
 
 @dataclass(frozen=True)
 class Needle:
-    """One passkey prompt followed by its answer: `ids` [1, T], the last `answer` tokens the key."""
+    """One passkey prompt followed by its answer: `ids` [1, T], the last `answer` tokens the key,
+    placed at `depth` of the filler."""
 
     ids: torch.LongTensor
     answer: int
+    depth: float
 
 
 def spell(key: int, needle: str) -> str:
@@ -72,31 +76,64 @@ def spell(key: int, needle: str) -> str:
     return str(key) if needle == "digits" else " ".join(DIGIT_WORDS[int(d)] for d in str(key))
 
 
-def needles(tokenizer, length: int, samples: int, seed: int, needle: str = "digits") -> list[Needle]:
-    """`samples` passkey prompts of at most `length` tokens with their answers, at the depths of
-    DEPTHS in turn, keys drawn from `seed` (passkey.trial_key) and spelled as `needle` says."""
+def spread(samples: int) -> list[float]:
+    """`samples` depths spread evenly over the whole prompt, the middle of each of `samples` equal
+    slices: a position map that cannot read from some band of the prompt is scored on it once the
+    slices are narrower than the band."""
+    return [(sample + 0.5) / samples for sample in range(samples)]
+
+
+def needles(tokenizer, length: int, samples: int, seed: int, needle: str = "digits", depths=None) -> list[Needle]:
+    """`samples` passkey prompts of at most `length` tokens with their answers, keys drawn from
+    `seed` (passkey.trial_key) and spelled as `needle` says, at `depths` (default: spread over
+    the prompt), in turn."""
+    depths = spread(samples) if depths is None else depths
     widest = (spell(int(str(d) * len(str(KEY_RANGE[1]))), needle) for d in range(1, 10))
     room = max(len(tokenizer(f" {text}", verbose=False)["input_ids"]) for text in widest) + 1
     found = []
     for sample in range(samples):
-        depth = DEPTHS[sample % len(DEPTHS)]
+        depth = depths[sample % len(depths)]
         key = spell(trial_key(seed, length, depth, sample), needle)
         prompt = build_prompt(tokenizer, length - room, depth, key)
         full = tokenizer(f"{prompt.text} {key}", verbose=False)["input_ids"]
-        found.append(Needle(torch.tensor([full]), len(full) - shared_prefix(full, prompt.ids)))
+        found.append(Needle(torch.tensor([full]), len(full) - shared_prefix(full, prompt.ids), depth))
     return found
+
+
+def shares_prefixes(model) -> bool:
+    """Whether a prompt's cache, cut to a prefix, serves another prompt under the model's patch
+    (rope_ext.copy_prefix refuses caches that let keys go, and dynamic patches with causal=False)."""
+    try:
+        copy_prefix(model, new_cache(model), 0)
+    except ValueError:
+        return False
+    return True
 
 
 @torch.no_grad()
 def answer_loss(model, prompts: list[Needle]) -> float:
     """Mean over the prompts of the mean cross-entropy of their answer tokens; the LM head runs
-    on the answer rows only."""
+    on the answer rows only. Where the patch allows it, the prompts after the first start from
+    the first one's cache cut to the tokens they share (the filler before the shallower key), a
+    chunked prefill; the deepest key's prompt runs first, so each later one runs from its own key
+    on."""
     device = next(model.parameters()).device
-    losses = []
-    for needle in prompts:
-        logits = model(needle.ids.to(device), logits_to_keep=needle.answer + 1).logits[0, :-1].float()
-        losses.append(F.cross_entropy(logits, needle.ids[0, -needle.answer :].to(device)).item())
-    return sum(losses) / len(losses)
+    kept = None  # (ids, cache) of the first prompt, when prompts share prefixes
+    share = len(prompts) > 1 and shares_prefixes(model)
+    losses = {}
+    for index in sorted(range(len(prompts)), key=lambda i: -prompts[i].depth):
+        needle = prompts[index]
+        ids, start, cache = needle.ids.to(device), 0, None
+        if kept is not None:
+            start = min(shared_prefix(kept[0], needle.ids[0].tolist()), ids.shape[1] - needle.answer - 1)
+            cache = copy_prefix(model, kept[1], start)
+        elif share:
+            cache = new_cache(model)
+        out = model(ids[:, start:], past_key_values=cache, use_cache=cache is not None, logits_to_keep=needle.answer + 1)
+        if share and kept is None:
+            kept = (needle.ids[0].tolist(), cache)
+        losses[index] = F.cross_entropy(out.logits[0, :-1].float(), ids[0, -needle.answer :]).item()
+    return sum(losses.values()) / len(losses)
 
 
 class Search:
@@ -188,7 +225,8 @@ def setup_of(args: argparse.Namespace) -> dict:
     """What a resumed search must share with the one it continues."""
     keys = ("model", "factor", "length", "samples", "needle", "seed", "population", "dtype", "original_window")
     groups = (args.groups or DPE_GROUPS) if args.space == "dpe" else None  # the only space they shape
-    return {key: getattr(args, key) for key in keys} | {"space": args.space, "temperature": args.temperature, "groups": groups}
+    fixed = {"space": args.space, "temperature": args.temperature, "groups": groups, "depths": "spread"}
+    return {key: getattr(args, key) for key in keys} | fixed
 
 
 def read_log(path: Path) -> tuple[dict, list[dict]]:

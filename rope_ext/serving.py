@@ -11,12 +11,14 @@ engine accepts unless told otherwise, and its cos/sin table size.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedConfig
 
 from .record import holder
 
@@ -328,24 +330,23 @@ def verdicts(config: dict, applied, rotary, native: bool) -> dict[str, str]:
     """engine -> "as patched", "unpatched" (a config without a native form: the engine serves the
     checkpoint as it was), "not as patched: <why>" or "not checked: <why>", for the config.json
     `config` a patch wrote."""
-    found = {}
-    for engine in ENGINES:
-        if not native:
-            found[engine] = "unpatched"
-            continue
-        missing = [key for key in ("rope_parameters", "max_position_embeddings") if key not in config]
-        if missing:  # a model that states its length under another name (the engines read several)
-            found[engine] = f"not checked: config.json has no {' or '.join(missing)}, which these rules read"
-            continue
-        served = serve(engine, config)
-        if isinstance(served, str):
-            found[engine] = f"not as patched: {served}"
-        elif serves_as_patched(served, applied, rotary):
-            found[engine] = "as patched"
-        else:
-            why = served.rewritten or "its frequencies, temperature or accepted length differ from the patch's"
-            found[engine] = f"not as patched: {why}"
-    return found
+    return {engine: verdict(engine, config, applied, rotary, native) for engine in ENGINES}
+
+
+def verdict(engine: str, config: dict, applied, rotary, native: bool) -> str:
+    """One engine's verdict of `verdicts`."""
+    if not native:
+        return "unpatched"
+    missing = [key for key in ("rope_parameters", "max_position_embeddings") if key not in config]
+    if missing:  # a model that states its length under another name (the engines read several)
+        return f"not checked: config.json has no {' or '.join(missing)}, which these rules read"
+    served = serve(engine, config)
+    if isinstance(served, str):
+        return f"not as patched: {served}"
+    if serves_as_patched(served, applied, rotary):
+        return "as patched"
+    why = served.rewritten or "its frequencies, temperature or accepted length differ from the patch's"
+    return f"not as patched: {why}"
 
 
 def written(model) -> dict:
@@ -358,3 +359,79 @@ def table(found: dict[str, str]) -> str:
     """`verdicts` as lines of a readable table."""
     width = max(map(len, found))
     return "\n".join(f"  {engine:{width}}  {verdict}" for engine, verdict in found.items())
+
+
+TRANSFORMERS = "transformers 5"
+
+
+def transformers_verdict(rotary, native: bool) -> str:
+    """What a plain transformers load of the written config serves: the native form where there is
+    one, read exactly (tests/saving/test_saving.py), except that transformers sets the frequencies
+    of `dynamic` and `longrope` once per forward from its length (`dynamic_rope_update`,
+    modeling_rope_utils.py), where a causal schedule gives each row those of the length it has seen."""
+    if not native:
+        return "unpatched"
+    if rotary.method.follows_length and rotary.params.get("causal", True):
+        return (
+            "not as patched: it sets one frequency set per forward, where the patch's causal schedule gives each row "
+            "the set of the length it has seen (causal=False is transformers' schedule)"
+        )
+    return "as patched"
+
+
+# --- The override forms: the same patch given to an engine on the unmodified checkpoint ---------
+
+
+def vllm_overridden(config, overrides: dict):
+    """`config` (a transformers config, as vLLM loads the checkpoint) with vLLM 0.34.0's
+    `--hf-overrides` applied: vllm/config/model.py `ModelConfig.__post_init__` splits the JSON into
+    flat values, which vllm/transformers_utils/config.py `get_config` applies with
+    `config.update(...)`, and dict values, which `_apply_dict_overrides` applies after the config is
+    loaded: into a nested config recursively (`_update_nested`: a dict inside it, such as its
+    rope_parameters, is updated key by key), else set whole (a top-level rope_parameters replaces
+    the loaded one)."""
+    config = copy.deepcopy(config)
+    config.update({key: value for key, value in overrides.items() if not isinstance(value, dict)})
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            current = getattr(config, key, None)
+            if isinstance(current, PreTrainedConfig):
+                _vllm_update_nested(current, value)
+            else:
+                setattr(config, key, copy.deepcopy(value))
+    return config
+
+
+def _vllm_update_nested(target, updates: dict) -> None:
+    """vllm/config/model.py `_update_nested` (0.34.0)."""
+    for key, value in updates.items():
+        if isinstance(value, dict):
+            nested = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+            if nested is not None and (isinstance(nested, dict) or hasattr(nested, "__dict__")):
+                _vllm_update_nested(nested, value)
+                continue
+        if isinstance(target, dict):
+            target[key] = copy.deepcopy(value)
+        else:
+            setattr(target, key, copy.deepcopy(value))
+
+
+def sglang_overridden(config, overrides: dict):
+    """`config` with SGLang 0.5.23's `--json-model-override-args` applied
+    (srt/utils/hf_transformers/config.py `get_config`): a dict given for a nested config updates it
+    (`PretrainedConfig.update`: its rope_parameters replaced whole), a rope_parameters dict is
+    merged over the loaded one (`{**current, **value}`: a key the loaded dict has and the override
+    lacks stays), any other value is set."""
+    config = copy.deepcopy(config)
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PreTrainedConfig):
+            current.update(copy.deepcopy(value))
+        elif key in ("rope_scaling", "rope_parameters") and isinstance(value, dict) and isinstance(current, dict):
+            setattr(config, key, {**current, **copy.deepcopy(value)})
+        else:
+            setattr(config, key, copy.deepcopy(value))
+    return config
+
+
+OVERRIDDEN = {"vLLM 0.30-0.34": vllm_overridden, "SGLang 0.5.23": sglang_overridden}

@@ -45,10 +45,20 @@ def test_an_oracle_scores_one(tiny_tokenizer):
     def oracle(prompt):  # reads the key where the prompt put it
         return " " + prompt.text.split("The pass key is ")[1].split(".")[0] + ". Remember"
 
-    result = passkey.run_trials(oracle, tiny_tokenizer, [200, 400], [0.2, 0.8], trials=3, progress=False)
+    result = passkey.run_trials(oracle, tiny_tokenizer, [200, 400], [0.2, 0.8], trials=3, seeds=(0, 1), progress=False)
     assert result["accuracy_overall"] == 1.0
     assert result["accuracy"] == {200: {0.2: 1.0, 0.8: 1.0}, 400: {0.2: 1.0, 0.8: 1.0}}
-    assert len(result["trials"]) == 12
+    assert len(result["trials"]) == 24 and {t["seed"] for t in result["trials"]} == {0, 1}
+
+
+def test_the_default_grid_is_dense_over_depths_and_seeds(tiny_tokenizer):
+    asked = []
+    result = passkey.run_trials(lambda p: asked.append(p) or "", tiny_tokenizer, [300], progress=False)
+    depths = sorted({p.depth for p in asked})
+    assert len(depths) >= 19 and depths[0] <= 0.05 and depths[-1] >= 0.95
+    assert max(b - a for a, b in zip(depths, depths[1:])) <= 0.05 + 1e-9  # no gap a blind band could hide in
+    assert {(t["depth"], t["seed"]) for t in result["trials"]} == {(d, s) for d in depths for s in (0, 1)}
+    assert len({p.key for p in asked}) > 30  # each seed draws its own keys
 
 
 def test_a_random_model_scores_about_zero(tiny_tokenizer):
@@ -65,7 +75,7 @@ def test_a_random_model_scores_about_zero(tiny_tokenizer):
     )
     model = LlamaForCausalLM(config).eval()
     answer = passkey.model_answerer(model, tiny_tokenizer, max_new_tokens=8)
-    result = passkey.run_trials(answer, tiny_tokenizer, [200, 300], [0.5], trials=4, progress=False)
+    result = passkey.run_trials(answer, tiny_tokenizer, [200, 300], [0.5], trials=4, seeds=(0,), progress=False)
     assert result["accuracy_overall"] <= 0.125
     assert all(len(r["answer"]) > 0 for r in result["trials"])  # it did generate
 
@@ -133,6 +143,8 @@ def test_a_stopped_run_keeps_the_trials_it_answered(tiny_path, tmp_path, monkeyp
                 "0.8",
                 "--trials",
                 "2",
+                "--seeds",
+                "0",
                 "--max-new-tokens",
                 "4",
                 "--output",
@@ -168,6 +180,8 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
         "0.8",
         "--trials",
         "2",
+        "--seeds",
+        "0",
         "--max-new-tokens",
         "4",
         "--no-progress",
@@ -183,8 +197,8 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
     stopped = (out / passkey.PARTIAL).read_text()
     assert len(json.loads(stopped)["trials"]) == 3
 
-    with pytest.raises(ValueError, match="another setup \\(seed differ"):  # checked before any trial; the partial file stays
-        passkey.main(argv + ["--output", str(out), "--resume", "--seed", "1"])
+    with pytest.raises(ValueError, match="another setup \\(seeds differ"):  # checked before any trial; the partial file stays
+        passkey.main(argv + ["--output", str(out), "--resume", "--seeds", "0", "1"])
     assert (out / passkey.PARTIAL).read_text() == stopped
 
     monkeypatch.setattr(passkey, "model_answerer", answerer)
@@ -201,13 +215,21 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
 
 
 def test_kept_trials_from_another_seed_are_refused():
-    cell = (120, 0.5, 0)
-    key = passkey.trial_key(3, *cell)
-    record = {"length": 120, "depth": 0.5, "trial": 0, "key": key, "answer": f" {key}.", "predicted": key, "correct": True}
-    assert passkey.kept_trials([record], [cell], seed=3) == {cell: record}
-    assert passkey.kept_trials([record], [(120, 0.2, 0)], seed=0) == {}  # not in this grid: left out
+    key = passkey.trial_key(3, 120, 0.5, 0)
+    record = {
+        "length": 120,
+        "depth": 0.5,
+        "seed": 3,
+        "trial": 0,
+        "key": key,
+        "answer": f" {key}.",
+        "predicted": key,
+        "correct": True,
+    }
+    assert passkey.kept_trials([record], [(120, 0.5, 3, 0)]) == {(120, 0.5, 3, 0): record}
+    assert passkey.kept_trials([record], [(120, 0.2, 3, 0), (120, 0.5, 0, 0)]) == {}  # not in this grid: left out
     with pytest.raises(ValueError, match="not seed 0's"):
-        passkey.kept_trials([record], [cell], seed=0)
+        passkey.kept_trials([{**record, "seed": 0}], [(120, 0.5, 0, 0)])
 
 
 def test_generation_is_greedy_and_deterministic(tiny_model, tiny_tokenizer):
@@ -239,7 +261,7 @@ def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_
     hook = tiny_model.get_decoder().register_forward_pre_hook(
         lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True
     )
-    grid = dict(lengths=[300, 500], depths=[0.1, 0.5, 0.9], trials=2)
+    grid = dict(lengths=[300, 500], depths=[0.1, 0.5, 0.9], trials=2, seeds=(0,))
     try:
         alone = passkey.run_trials(
             passkey.model_answerer(tiny_model, tiny_tokenizer, max_new_tokens=6), tiny_tokenizer, **grid, progress=False
@@ -255,7 +277,8 @@ def test_shared_prefixes_give_the_same_answers_from_fewer_prefilled_tokens(tiny_
     finally:
         hook.remove()
     assert [t["answer"] for t in shared["trials"]] == [t["answer"] for t in alone["trials"]]
-    assert [(t["length"], t["depth"], t["trial"]) for t in shared["trials"]] == passkey.grid([300, 500], [0.1, 0.5, 0.9], 2)
+    cells = [(t["length"], t["depth"], t["seed"], t["trial"]) for t in shared["trials"]]
+    assert cells == passkey.grid([300, 500], [0.1, 0.5, 0.9], 2)
     # per length: the deepest key's prompt whole, then each other one from where it leaves that one
     expected = 0
     for length in (300, 500):
@@ -301,6 +324,8 @@ def _stopped_run(tiny_path, out, monkeypatch, model=None, stop_after: int = 2, e
         "0.8",
         "--trials",
         "2",
+        "--seeds",
+        "0",
         "--max-new-tokens",
         "4",
         "--output",
@@ -422,6 +447,8 @@ def test_longrope_takes_its_factor_lists_from_the_command_line_and_resumes(tiny_
         "0.8",
         "--trials",
         "1",
+        "--seeds",
+        "0",
         "--no-progress",
         "--output",
         str(tmp_path / "pk"),

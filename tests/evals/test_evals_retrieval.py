@@ -43,6 +43,8 @@ def run_passkey(tiny_path, out, *extra) -> dict:
         "0.8",
         "--trials",
         "2",
+        "--seeds",
+        "0",
         "--max-new-tokens",
         "6",
         "--no-progress",
@@ -113,7 +115,7 @@ def baseline_file(
     [
         ({"depths": (0.5,)}, "other depths"),
         ({"trials": 1}, "other trials"),
-        ({"seed": 7}, "other seed"),
+        ({"seed": 7}, "other seeds"),
         ({"method": "yarn"}, "the baseline is the unpatched model"),
         ({"lengths": (128, 256)}, "the baseline is one length"),
         ({"max_new_tokens": 3}, "other max_new_tokens"),
@@ -130,6 +132,8 @@ def test_a_baseline_that_does_not_match_is_refused_before_the_model_loads(no_mod
         "0.8",
         "--trials",
         "2",
+        "--seeds",
+        "0",
         "--method",
         "yarn",
         "--factor",
@@ -222,5 +226,25 @@ def test_the_committed_smollm2_baseline_is_one_for_the_embedded_model():
 
     path = Path(__file__).resolve().parents[2] / "docs" / "results" / "smollm2-plain-passkey-8k-t4.json"
     baseline = retrieval.read_baseline(path)
-    retrieval.check_baseline(baseline, [0.1, 0.3, 0.5, 0.7, 0.9], 4, 0, 10)
+    retrieval.check_baseline(baseline, [0.1, 0.3, 0.5, 0.7, 0.9], 4, [0], 10)
     assert baseline["setup"]["model"] == f"smollm2-135m-{defaults.smollm2_key()}"
+
+
+def test_a_baseline_of_one_seed_written_before_runs_took_several_reads_as_that_seed(tmp_path):
+    """Files from before --seeds record `seed` in their setup and none per trial: they read as
+    seeds [seed], so they still serve as the baseline of a run of that seed, and of no other."""
+    baseline = retrieval.read_baseline(baseline_file(tmp_path / "base", seed=3))
+    assert baseline["setup"]["seeds"] == [3] and {t["seed"] for t in baseline["trials"]} == {3}
+    retrieval.check_baseline(baseline, [0.2, 0.8], 2, [3], 6)
+    with pytest.raises(ValueError, match="other seeds"):
+        retrieval.check_baseline(baseline, [0.2, 0.8], 2, [3, 4], 6)
+
+
+def test_a_baseline_missing_a_seed_s_trials_is_refused(tmp_path):
+    base = baseline_file(tmp_path / "base", trials=1)
+    result = json.loads((base / "passkey.json").read_text())
+    result["setup"] = {**{k: v for k, v in result["setup"].items() if k != "seed"}, "seeds": [0, 1]}
+    result["trials"] = [{**t, "seed": 0} for t in result["trials"]] + [{**result["trials"][0], "seed": 1}]
+    (base / "passkey.json").write_text(json.dumps(result))
+    with pytest.raises(ValueError, match="holds fewer than 1 trials at depths \\[0.8\\]"):
+        retrieval.check_baseline(retrieval.read_baseline(base), [0.2, 0.8], 1, [0, 1], 6)

@@ -64,6 +64,22 @@ def test_passkey_heatmaps_name_model_and_method():
     assert ax.images[0].get_cmap().name == "cividis"
 
 
+def test_a_sweep_figure_puts_runs_side_by_side_with_each_depth_over_every_seed():
+    def run(correct):  # {(depth, seed): answered}
+        return {"trials": [{"depth": d, "seed": s, "correct": c} for (d, s), c in correct.items()]}
+
+    fig = plots.passkey_sweep(
+        {
+            "plain 8k": run({(0.05, 0): True, (0.05, 1): True, (0.2, 0): True, (0.2, 1): False}),
+            "rerope x4 32k": run({(0.05, 0): True, (0.05, 1): True, (0.2, 0): False, (0.2, 1): False}),
+        }
+    )
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0.05", "0.2"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["plain 8k\n3/4 (0.30-0.95)", "rerope x4 32k\n2/4 (0.15-0.85)"]
+    assert ax.images[0].get_array().tolist() == [[1.0, 1.0], [0.5, 0.0]]
+
+
 def search_records(dimension: str, values: list) -> list[dict]:
     return [
         {"evaluation": i, "generation": i // 2, "origin": "mutation" if i else "uniform", dimension: v, "loss": 1.0 / (i + 1)}

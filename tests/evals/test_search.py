@@ -107,7 +107,8 @@ def test_an_existing_log_needs_resume_and_the_same_settings(no_model, tmp_path, 
     out.mkdir()
     argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
     setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
-    (out / LOG).write_text(json.dumps({"setup": {**setup, "population": 16, "dtype": "auto", "original_window": None}}) + "\n")
+    setup |= {"population": 16, "dtype": "auto", "original_window": None, "depths": "spread"}
+    (out / LOG).write_text(json.dumps({"setup": setup}) + "\n")
     assert "exists; pass --resume" in cli_error_line(argv, capsys)
     assert "other settings (seed)" in cli_error_line(argv + ["--resume", "--seed", "3"], capsys)
 
@@ -149,8 +150,8 @@ def test_a_log_cut_mid_write_resumes_from_its_complete_lines(tmp_path):
     log.write_text("\n".join(lines) + "\n" + lines[2][:17])
     with pytest.warns(UserWarning, match="the last line of .* was cut mid-write; resuming from the 2 complete"):
         setup, records = read_log(log)
-    # a setup written before spaces is longrope's
-    assert setup == {"seed": 0, "space": "longrope", "temperature": False, "groups": None}
+    # a setup written before spaces is longrope's, scored on needles at DEPTHS in turn
+    assert setup == {"seed": 0, "space": "longrope", "temperature": False, "groups": None, "depths": "cycled"}
     assert [r["evaluation"] for r in records] == [0, 1]
 
 
@@ -278,7 +279,15 @@ def test_a_resume_refuses_a_log_of_another_space_and_a_temperature_the_method_do
     out.mkdir()
     argv = ["search", "--model", str(tmp_path), "--factor", "4", "--budget-minutes", "1", "--output", str(out)]
     setup = {"model": str(tmp_path), "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0}
-    setup = {**setup, "population": 16, "dtype": "auto", "original_window": None, "space": "dpe", "temperature": False}
+    setup = {
+        **setup,
+        "population": 16,
+        "dtype": "auto",
+        "original_window": None,
+        "space": "dpe",
+        "temperature": False,
+        "depths": "spread",
+    }
     (out / LOG).write_text(json.dumps({"setup": {**setup, "groups": 8}}) + "\n")
     before = (out / LOG).read_text()
     assert "is a search of the dpe space, not longrope; give --space dpe" in cli_error_line(argv + ["--resume"], capsys)
@@ -291,3 +300,51 @@ def test_a_resume_refuses_a_log_of_another_space_and_a_temperature_the_method_do
     refused = cli_error_line(argv + ["--space", "string", "--groups", "4", "--output", str(tmp_path / "g")], capsys)
     assert "--groups applies to --space dpe (its scales, one per group), not string" in refused
     assert not (tmp_path / "g").exists()
+
+
+def test_needles_spread_over_the_whole_prompt(tiny_tokenizer):
+    """Each of n needles sits in its own n-th of the prompt, so a position map that cannot read
+    from one band of the prompt is scored there once the slices are narrower than the band; five
+    fixed depths with two samples scored 0.1 and 0.3 only."""
+    found = needles(tiny_tokenizer, 600, 8, seed=0, needle="words")
+    keys = []
+    for index, needle in enumerate(found):
+        assert index / 8 < needle.depth < (index + 1) / 8
+        text = tiny_tokenizer.decode(needle.ids[0])
+        keys.append(text.index("The pass key is") / len(text))
+    assert keys == sorted(keys) and keys[0] < 0.2 and keys[-1] > 0.8
+    assert max(b - a for a, b in zip(keys, keys[1:])) < 0.15
+
+
+@pytest.mark.parametrize("method, params", [("dpe", {}), ("self_extend", {}), ("dynamic", {"causal": False})])
+def test_the_answer_loss_from_shared_prefixes_is_that_of_whole_prompts(tiny_model, tiny_tokenizer, method, params):
+    """The prompts after the deepest key's run from their own key on, from its cache cut there:
+    the loss of whole prompts, from fewer tokens; a patch whose cache cannot be cut (a dynamic
+    one with causal=False, as longrope is scored) runs every prompt whole."""
+    rope_ext.patch(tiny_model, method, factor=4, **params)
+    prompts = needles(tiny_tokenizer, 500, 4, seed=0, needle="words")
+    ran = []
+    hook = tiny_model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: ran.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        shared = answer_loss(tiny_model, prompts)
+        alone = sum(answer_loss(tiny_model, [p]) for p in prompts) / len(prompts)
+    finally:
+        hook.remove()
+    assert shared == pytest.approx(alone, rel=1e-5, abs=1e-6)
+    whole = sum(p.ids.shape[1] for p in prompts)
+    assert sum(ran[: len(prompts)]) == whole if method == "dynamic" else sum(ran[: len(prompts)]) < 0.7 * whole
+
+
+def test_a_log_scored_on_needles_in_turn_is_not_resumed_with_spread_ones(no_model, tmp_path, capsys):
+    """A log written before the needles spread over the prompt scored other prompts: its losses
+    do not compare with new ones, so --resume refuses it, naming the setting."""
+    out = tmp_path / "search"
+    out.mkdir()
+    setup = {"model": None, "factor": 4.0, "length": None, "samples": 4, "needle": "digits", "seed": 0, "population": 16}
+    setup |= {"dtype": "auto", "original_window": None, "space": "longrope", "temperature": False, "groups": None}
+    (out / LOG).write_text(json.dumps({"setup": setup}) + "\n")
+    argv = ["search", "--factor", "4", "--budget-minutes", "1", "--output", str(out), "--resume"]
+    assert cli.main(argv) == 2
+    assert "other settings (depths)" in capsys.readouterr().err

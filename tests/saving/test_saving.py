@@ -96,7 +96,7 @@ def test_a_save_names_the_engines_that_serve_it_otherwise(tiny_model, tmp_path):
     NTK is a fixed base at the config's window (docs/serving.md), which the save says."""
     info = rope_ext.patch(tiny_model, "dynamic", factor=4, causal=False)
     assert info.native is not None
-    with pytest.warns(UserWarning, match="transformers reloads this checkpoint as patched, but vLLM 0.30-0.34 not as patched"):
+    with pytest.warns(UserWarning, match="transformers 5 serves this checkpoint as patched; vLLM 0.30-0.34 not as patched"):
         tiny_model.save_pretrained(tmp_path)
 
 
