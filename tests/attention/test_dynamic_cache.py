@@ -255,3 +255,20 @@ def test_a_filled_cache_pickles_and_its_copy_is_refused_on_use_with_the_remedy(t
     with torch.no_grad():
         step = model(ids[:, -1:], cache=cache, use_cache=True).logits[0, -1]
         assert torch.allclose(step, model(ids).logits[0, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "self_extend", "dca"])
+def test_a_backward_in_another_thread_re_runs_attention_with_the_forwards_positions(method):
+    """Gradient checkpointing re-runs attention in backward, which on a GPU runs in autograd's own
+    thread, one that ran no forward: it takes the latest forward's frame (rope_ext.rotary.ForwardState),
+    and its gradients are those of a backward in the forward's thread, bit for bit."""
+    grads = []
+    for backward in (lambda loss: loss.backward(), lambda loss: in_another_thread(loss.backward).result()):
+        model = random_model()
+        rope_ext.patch(model, method, factor=4)
+        model.gradient_checkpointing_enable()
+        model.train()
+        ids = random_ids(2 * WINDOW + 20)
+        backward(model(ids, labels=ids).loss)
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
