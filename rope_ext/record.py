@@ -297,8 +297,9 @@ def check_stated(config, written: dict, saved: Patch) -> None:
             raise ValueError(
                 f"{saved.source}: key {name} is {stated}, but the patch its {CONFIG_KEY} record holds "
                 f"({saved.method} x{saved.factor:g} over the values in {CONFIG_KEY}.original) writes {recorded}: "
-                "config.json or its record was edited after the save. Put the key back as the save wrote it, or load "
-                "the checkpoint with transformers alone, which reads config.json and not the record"
+                "config.json or its record was edited after the save (or a rope-ext that wrote this key otherwise saved it). "
+                "Put the key back as the save wrote it, or load the checkpoint with transformers alone, which reads "
+                "config.json and not the record"
             )
 
 
