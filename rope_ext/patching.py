@@ -9,6 +9,7 @@
     factor, params = method.resolve(...)        what the method derives from the model
     refusal(method, facts, length)              the one check of what the method requires of the model
     rotary = adapter.build(...)                 the new rotary module, not yet installed
+    record.check_stated(...)                    a recorded patch against what config.json states
     adapter.install(rotary, method.attention()) from here on the model changes
     record.write(config, ...)                   so that a reload or an unpatch reproduces exactly
 
