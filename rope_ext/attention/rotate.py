@@ -146,6 +146,7 @@ class RotateInAttention(AttentionTransform):
                 ("causal only", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
                 lambda: not hides_keys(attention_mask, kv_len),
             )
+            and self._attends_last(module)
             and plain_softmax(module, query, kwargs)
         ):
             return self._unmasked_groups(query, key, value, groups, offset, first_key, kwargs.get("scaling")), None
@@ -180,6 +181,12 @@ class RotateInAttention(AttentionTransform):
                     rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
                     weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
         return out, weights
+
+    def _attends_last(self, module) -> bool:
+        """Whether this transform hands its tensors to the backend itself: no transform after it in
+        the module's chain (alibi_hybrid's bias) changes what is attended."""
+        chain = getattr(module, "rope_ext_attention", None)
+        return chain is not None and chain.transforms[-1] is self
 
     def _unmasked_groups(self, query, key, value, groups: list, offset: int, first_key: int, scaling) -> torch.Tensor:
         """The groups of a forward ([(length, lo, hi, None)], every batch row alike) attended in calls
