@@ -11,13 +11,25 @@
     beyond bf16's own.
 (b) Speed. A random model of Llama-3.2-1B's shapes in bf16, at its pretraining window of 8192 (the
     shipped llama3 scaling left out, so that every method acts from 8192 on) and the factor that
-    reaches the longest --lengths: one prefill of each length with a fresh DynamicCache (the
-    logits of the last token only), then --new-tokens greedy decode steps, against the unpatched
-    model on torch's sdpa, which runs first and again last at each length: ratios are to the faster
-    of its two runs. Each variant is warmed up once at the window plus 1024 tokens first. A run whose prefill, predicted from the variant's last one by
-    its growth with the length (Budget.refusal), would not fit in what is left of --budget-s, is
-    skipped and says so.
-(c) Memory: the peak of torch's CUDA allocator over each run's prefill and decode.
+    reaches the longest --lengths: one prefill of each length with the KV cache the patch would
+    use (rope_ext.chunked.new_cache: sink_window's bounded cache, else a DynamicCache; the logits
+    of the last token only), then --new-tokens greedy decode steps, against the unpatched model on
+    torch's sdpa, which runs first and again last at each length: ratios are to the faster of its
+    two runs. Each variant runs at its defaults (`dynamic` at its default granularity, 1/8 of the
+    window) and is warmed up once at the window plus 1024 tokens first. A run whose prefill,
+    predicted from the variant's last one by its growth with the length (Budget.refusal), would not
+    fit in what is left of --budget-s, is skipped and says so.
+(c) Memory: the peak of torch's CUDA allocator over each run's prefill and decode, and the KV
+    cache's bytes after the prefill, with their ratios to plain's.
+(d) Decode kernels: at batch 1 a decode step is bound by the host (Python and launches), so its
+    wall time says little about attention. After the timed steps, KERNEL_STEPS more steps run under
+    torch.profiler, and the device time of every kernel they launch is summed (on the CPU of the
+    dry run, the ops' own CPU time): the step as the kernels cost it, without the host. A CUDA
+    graph or a compiled step cannot stand in here, since the DynamicCache grows at every step and
+    the patches keep Python state per forward.
+(e) The targets of issue #53 (TARGETS), checked on the runs: dynamic's prefill, the two-part
+    methods' prefill and peak, sink_window's prefill and KV cache at the longest length, each
+    method's decode kernels against plain's.
 
 The results go to --out as JSON (written after every run, so that a check stopped early keeps what
 it measured) with their provenance, and as tables on stdout. --dry-run runs everything on the CPU
@@ -43,11 +55,13 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import rope_ext
 from rope_ext.attention import parts
+from rope_ext.chunked import new_cache
 from rope_ext.evals.compare import parse_specs
 from rope_ext.evals.output import checkout_state, markdown_table, source_root
 from rope_ext.method import REGISTRY
@@ -95,8 +109,21 @@ EXTRA = {
     },
 }
 TOLERANCES = {"fp32_of_largest_logit": 1e-4, "bf16_over_cpu_bf16": 3.0}
-SPEED = ["plain", "yarn", "dynamic:granularity=1024", "self_extend", "rerope", "string", "dca", "sink_window", "dynamic"]
+SPEED = ["plain", "yarn", "dynamic", "self_extend", "rerope", "string", "dpe", "dca", "sink_window"]
 DECODE_CHECK_STEPS = 4
+KERNEL_STEPS = 2
+TWO_PART = ("self_extend", "rerope", "string", "dpe", "dca")
+# issue #53's targets, each (what, variants, measure, bound, at): `measure` of each variant at most
+# `bound` (prefill and peak against plain's; the KV cache against its bound; decode kernel time
+# against plain's, so 1 / 0.9 is 0.9x plain's tokens per second), at the longest length or at every one
+TARGETS = [
+    ("dynamic prefill", ("dynamic",), "prefill_vs_plain", 1.5, "every"),
+    ("two-part prefill", TWO_PART, "prefill_vs_plain", 1.25, "longest"),
+    ("two-part peak memory", TWO_PART, "peak_vs_plain", 1.1, "longest"),
+    ("sink_window prefill", ("sink_window",), "prefill_vs_plain", 1.0, "longest"),
+    ("sink_window KV cache", ("sink_window",), "kv_vs_bound", 1.0, "longest"),
+    ("decode kernels", tuple(v for v in SPEED if v != PLAIN), "decode_kernel_vs_plain", 1 / 0.9, "every"),
+]
 
 
 def random_llama(shape: dict, seed: int = 0, device="cpu") -> LlamaForCausalLM:
@@ -211,27 +238,54 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def cache_bytes(cache) -> int:
+    """The bytes of the keys and values a KV cache holds."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def kernel_ms(model, token, cache, steps: int, device: torch.device) -> tuple[float, torch.Tensor]:
+    """(milliseconds per step, the last token): `steps` greedy steps under torch.profiler, as the
+    summed device time of the kernels they launch (on the CPU: the ops' own CPU time)."""
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            token = model(token, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        synchronize(device)
+    field = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return sum(getattr(event, field) for event in prof.key_averages()) / 1e3 / steps, token
+
+
 @torch.inference_mode()
 def timed_run(model, ids, new_tokens: int, device: torch.device) -> dict:
-    """One prefill of `ids` with a fresh DynamicCache, then `new_tokens` greedy steps: seconds,
-    decode milliseconds per token (median step), peak GiB of the CUDA allocator."""
+    """One prefill of `ids` with a fresh KV cache (the patch's, rope_ext.chunked.new_cache), then
+    `new_tokens` greedy steps and KERNEL_STEPS profiled ones: seconds, decode milliseconds per token
+    (median step) and the kernels' milliseconds per step, peak GiB of the CUDA allocator, GiB of the
+    KV cache after the prefill."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     synchronize(device)
     begin = time.perf_counter()
     token = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
     synchronize(device)
     prefill = time.perf_counter() - begin
+    kv = cache_bytes(cache) / 2**30
     steps = []
     for _ in range(new_tokens):
         begin = time.perf_counter()
         token = model(token, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
         synchronize(device)
         steps.append(time.perf_counter() - begin)
+    kernels, token = kernel_ms(model, token, cache, KERNEL_STEPS, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"prefill_s": prefill, "decode_ms": 1e3 * statistics.median(steps), "peak_gib": peak}
+    return {
+        "prefill_s": prefill,
+        "decode_ms": 1e3 * statistics.median(steps),
+        "decode_kernel_ms": kernels,
+        "peak_gib": peak,
+        "kv_gib": kv,
+    }
 
 
 class Budget:
@@ -263,7 +317,7 @@ class Budget:
 def measure(model, label: str, ids, warm, new_tokens: int, device, budget: Budget) -> dict:
     """One variant at one length, warmed up first where it has not run yet."""
     if label not in budget.last:
-        budget.last[label] = (warm.shape[1], timed_run(model, warm, 2, device)["prefill_s"])
+        budget.last[label] = (warm.shape[1], timed_run(model, warm, 1, device)["prefill_s"])
     reason = budget.refusal(label, ids.shape[1])
     if reason:
         return {"skipped": reason}
@@ -290,7 +344,9 @@ def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int
                 record["skipped"] = reason
             else:
                 if name != PLAIN:
-                    rope_ext.patch(model, name, factor=factor, **params)
+                    record["params"] = rope_ext.patch(model, name, factor=factor, **params).params
+                    if name == "sink_window":
+                        record["kv_bound_gib"] = kv_bound(model, record["params"])
                 try:
                     record.update(measure(model, label, ids[:, :length], warm, new_tokens, device, budget))
                 except RuntimeError as error:  # a kernel's refusal or the GPU's memory: the other runs still count
@@ -304,15 +360,46 @@ def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int
             write(runs)
         plain = [r for r in at_length if r["variant"] in (PLAIN, PLAIN_AGAIN) and "prefill_s" in r]
         if plain:
-            prefill, decode = min(r["prefill_s"] for r in plain), min(r["decode_ms"] for r in plain)
             for record in at_length:
-                if "prefill_s" in record:
-                    record["prefill_vs_plain"], record["decode_vs_plain"] = (
-                        record["prefill_s"] / prefill,
-                        record["decode_ms"] / decode,
-                    )
+                for key in ("prefill_s", "decode_ms", "decode_kernel_ms", "peak_gib", "kv_gib"):
+                    fastest = min(r[key] for r in plain) if plain[0][key] is not None else None
+                    if record.get(key) is not None and fastest:
+                        record[f"{key.rsplit('_', 1)[0]}_vs_plain"] = record[key] / fastest
+        for record in at_length:
+            if "kv_bound_gib" in record and "kv_gib" in record:
+                record["kv_vs_bound"] = record["kv_gib"] / record["kv_bound_gib"]
         write(runs)
     return runs
+
+
+def kv_bound(model, params: dict) -> float:
+    """GiB of a KV cache of sinks + window keys and values in every layer: what sink_window keeps."""
+    config = model.config
+    keys = (params["sinks"] + params["window"]) * config.num_key_value_heads * config.head_dim
+    return 2 * config.num_hidden_layers * keys * model.dtype.itemsize / 2**30
+
+
+def targets(runs: list) -> list:
+    """TARGETS checked on `runs`: one record per target and variant, with the measured values (at
+    the longest length, or at every length) and whether each is within the bound; a target with no
+    measurement (a skipped run, no CUDA allocator on the CPU) says so."""
+    longest = max((r["length"] for r in runs), default=None)
+    checks = []
+    for what, variants, measure, bound, at in TARGETS:
+        for variant in variants:
+            chosen = [r for r in runs if r["variant"] == variant and (at == "every" or r["length"] == longest)]
+            values = {r["length"]: r[measure] for r in chosen if r.get(measure) is not None}
+            checks.append(
+                {
+                    "target": what,
+                    "variant": variant,
+                    "measure": measure,
+                    "bound": bound,
+                    "values": values,
+                    "met": all(v <= bound for v in values.values()) if values else None,
+                }
+            )
+    return checks
 
 
 def provenance(device: torch.device, commit: str | None) -> dict:
@@ -369,12 +456,53 @@ def tables(results: dict) -> str:
     if runs:
         lines.append(
             markdown_table(
-                ["variant", "length", "prefill s", "x plain", "decode ms/token", "x plain", "peak GiB", "skipped"],
+                [
+                    "variant",
+                    "length",
+                    "prefill s",
+                    "x plain",
+                    "decode ms/token",
+                    "x plain",
+                    "decode kernels ms",
+                    "x plain",
+                    "peak GiB",
+                    "x plain",
+                    "KV GiB",
+                    "skipped",
+                ],
                 [
                     [r["variant"], r["length"]]
-                    + [cell(r.get(key)) for key in ("prefill_s", "prefill_vs_plain", "decode_ms", "decode_vs_plain", "peak_gib")]
-                    + [r.get("skipped", "")]
+                    + [
+                        cell(r.get(key))
+                        for key in (
+                            "prefill_s",
+                            "prefill_vs_plain",
+                            "decode_ms",
+                            "decode_vs_plain",
+                            "decode_kernel_ms",
+                            "decode_kernel_vs_plain",
+                            "peak_gib",
+                            "peak_vs_plain",
+                            "kv_gib",
+                        )
+                    ]
+                    + [r.get("skipped", r.get("error", ""))]
                     for r in runs
+                ],
+            )
+        )
+    checks = results.get("targets", [])
+    if checks:
+        lines.append(
+            markdown_table(
+                ["target", "variant", "measure", "at most", "measured", "met"],
+                [
+                    [c["target"], c["variant"], c["measure"], cell(c["bound"])]
+                    + [
+                        ", ".join(f"{n}: {cell(v)}" for n, v in c["values"].items()),
+                        "not measured" if c["met"] is None else c["met"],
+                    ]
+                    for c in checks
                 ],
             )
         )
@@ -422,7 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_speed:
         results["speed_model"] = {"shape": big, "window": big["max_position_embeddings"], "dtype": "bfloat16"}
         write(speed(device, big, lengths, args.new_tokens, args.budget_s, write))
-        print(tables({"speed": results["speed"]}))
+        results["targets"] = targets(results["speed"])
+        write()
+        print(tables({"speed": results["speed"], "targets": results["targets"]}))
     print(f"wrote {args.out} ({results['wall_s']:.0f} s)")
     return 0 if all(r["passed"] for r in results["exactness"].values()) else 1
 

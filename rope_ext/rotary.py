@@ -225,6 +225,9 @@ class DynamicRotation:
         self.positions = KeyPositions()
         self.state = ForwardState()
         self.frame: RotationFrame | None = None
+        # (length, device) -> frequencies, for a method whose frequencies do not follow the length:
+        # the same at every forward (a few lengths: the window, the window + 1), so computed once
+        self._fixed: dict = {}
 
     def __getstate__(self):
         # a copy (deepcopy or pickle of the model) starts with no forward run and no cache written
@@ -238,8 +241,14 @@ class DynamicRotation:
         return self.frame if self.state.frame is None else self.state.frame
 
     def frequencies(self, seq_len: int | None) -> tuple[torch.Tensor, float]:
-        inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
-        return inv_freq.to(self.device), scale
+        if self.method.follows_length:
+            inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
+            return inv_freq.to(self.device), scale
+        key = (seq_len, self.device)
+        if key not in self._fixed:
+            inv_freq, scale = self.method(self.geometry, seq_len, self.factor, self.params)
+            self._fixed[key] = (inv_freq.to(self.device), scale)
+        return self._fixed[key]
 
     def scaled_lengths(self, q_pos: torch.Tensor) -> torch.Tensor:
         """The length whose scaling each query uses (SCHEDULE_PARAMS, rope_ext.method.base).

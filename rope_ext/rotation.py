@@ -12,22 +12,28 @@ from typing import Callable
 import torch
 
 
-def cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype, grouped: bool = False):
+def cos_sin(inv_freq: torch.Tensor, scale, positions: torch.Tensor, dtype: torch.dtype, grouped: bool = False):
     """(cos, sin) of shape [..., S, D] laid out cat(freqs, freqs), as transformers' rotary modules
     return them; angles and the attention factor in fp32, then cast to the activations' dtype.
 
     `positions` [..., S]; with `grouped`, [..., S, G]: the D/2 frequencies in G equal groups of
     consecutive ones (the first the fastest), each group at its own position (dpe's dimension
-    groups). A group of one [..., S, 1] gives the bits of [..., S] ungrouped."""
-    with torch.autocast(device_type=positions.device.type, enabled=False):
-        inv_freq = inv_freq.to(device=positions.device, dtype=torch.float)
-        at = positions.float() if grouped else positions[..., None].float()
-        if at.shape[-1] > 1:
-            at = at.repeat_interleave(inv_freq.shape[-1] // at.shape[-1], dim=-1)
-        freqs = at * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * scale
-        sin = emb.sin() * scale
+    groups). A group of one [..., S, 1] gives the bits of [..., S] ungrouped. `inv_freq` [M, D/2]
+    with `scale` [M] (fp32) gives M scalings at once, [..., M, S, D], one computation for all."""
+    if torch.is_autocast_enabled(positions.device.type):
+        with torch.autocast(device_type=positions.device.type, enabled=False):
+            return cos_sin(inv_freq, scale, positions, dtype, grouped)
+    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float)
+    at = positions.float() if grouped else positions[..., None].float()
+    if at.shape[-1] > 1:
+        at = at.repeat_interleave(inv_freq.shape[-1] // at.shape[-1], dim=-1)
+    if inv_freq.dim() == 2:
+        at, inv_freq, scale = at.unsqueeze(-3), inv_freq[:, None], scale.to(positions.device)[:, None, None]
+    freqs = at * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if not (isinstance(scale, (int, float)) and scale == 1):  # x * 1 is x: a decode step's few angles skip two operations
+        cos, sin = cos * scale, sin * scale
     return cos.to(dtype=dtype), sin.to(dtype=dtype)
 
 

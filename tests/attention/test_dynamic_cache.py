@@ -139,7 +139,9 @@ def test_flash_backends_see_their_own_name_under_the_wrapper():
     for m in (model, reference):
         rope_ext.patch(m, "dynamic", factor=4)
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, reference(ids).logits)
+        # the sdpa reference attends each group in calls without a mask (causal_parts), the stand-in
+        # through the backend with the group's mask: one function, other roundings
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
     assert model.config._attn_implementation == "rope_ext_flash_stand_in"
     assert seen and set(seen) == {"flash_stand_in"}
 
@@ -272,3 +274,37 @@ def test_a_backward_in_another_thread_re_runs_attention_with_the_forwards_positi
         backward(model(ids, labels=ids).loss)
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class FusedCalls:
+    """Counts the calls of attend_with_lse's CPU kernel and the masks they carry."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.masked = 0, 0
+        original = rope_ext.attention.parts.FUSED["cpu"]
+
+        def counted(*args, mask=None, **kwargs):
+            self.calls += 1
+            self.masked += mask is not None
+            return original(*args, mask=mask, **kwargs)
+
+        monkeypatch.setitem(rope_ext.attention.parts.FUSED, "cpu", counted)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+def test_groups_attend_without_masks_as_the_backend_would_with_them(method, monkeypatch):
+    """On sdpa, a forward's groups attend in fused calls without a mask (each group's causal square
+    and the keys before it, merged by log-sum-exp), the same function as the backend with each
+    group's causal mask, which a forward under autograd still takes (the kernels' log-sum-exp
+    carries no gradient)."""
+    model = random_model()
+    rope_ext.patch(model, method, factor=4, granularity=8)  # 3 windows past it: 24 groups
+    ids = random_ids(4 * WINDOW)
+    calls = FusedCalls(monkeypatch)
+    with torch.no_grad():
+        unmasked = model(ids).logits
+    assert calls.calls >= 2 * 24 * model.config.num_hidden_layers and calls.masked == 0
+    calls.calls = 0
+    masked = model(ids).logits.detach()
+    assert calls.calls == 0
+    torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-5)
