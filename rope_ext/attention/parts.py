@@ -53,8 +53,13 @@ def attend_with_lse(query, key, value, *, causal: bool = False, mask: torch.Tens
     attention). A row that sees no key has lse 0 and output 0 (the CPU kernel's convention).
 
     The CPU and CUDA run torch's fused kernels (`FUSED`), which never hold a [rows, keys] score
-    tensor; other devices compute the scores in blocks (`attend_with_lse_by_scores`)."""
-    kernel = FUSED.get(query.device.type, attend_with_lse_by_scores)
+    tensor; other devices compute the scores in blocks (`attend_with_lse_by_scores`), and so does
+    a call autograd records: the fused kernels' logsumexp carries no gradient (their backward
+    takes the output's alone), and merge_by_lse differentiates through it, so two parts merged
+    from fused calls would train on wrong gradients. Explicit scores cost memory: autograd keeps
+    each block for the backward unless gradient checkpointing recomputes the layer."""
+    recorded = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    kernel = attend_with_lse_by_scores if recorded else FUSED.get(query.device.type, attend_with_lse_by_scores)
     return kernel(query, key, value, causal=causal, mask=mask, scale=scale)
 
 
@@ -160,7 +165,8 @@ def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     lse [B, H, Sq], seen [B, 1 or H, Sq] bool or None = every row saw a key). A part a row did not
     see, or whose lse is -inf, gets weight 0. Returns [B, H, Sq, D] in the first output's dtype."""
     lses = torch.stack([lse if seen is None else lse.masked_fill(~seen, float("-inf")) for _, lse, seen in parts])
-    weights = torch.softmax(lses, dim=0).nan_to_num_(0.0)[..., None]  # all parts unseen: a row with no key at all
+    # all parts unseen: a row with no key at all; not in place, autograd keeps the softmax
+    weights = torch.softmax(lses, dim=0).nan_to_num(0.0)[..., None]
     merged = weights[0] * parts[0][0]
     for weight, (out, _, _) in zip(weights[1:], parts[1:]):
         merged.addcmul_(weight, out)  # in place: a product and a sum per part would each be a new tensor

@@ -100,3 +100,46 @@ def test_other_devices_compute_scores_in_blocks():
     by_scores = parts.attend_with_lse_by_scores(query, key[:, :2], value[:, :2], causal=True)
     for a, b in zip(expected, by_scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_parts_merged_by_lse_train_on_the_gradients_of_one_softmax():
+    """Two fused calls over disjoint keys, merged by their logsumexp, have the gradients of one
+    softmax over all the keys: the merge differentiates through the logsumexp, which torch's fused
+    kernels return without a gradient, so a call autograd records computes its scores."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape, requires_grad=True) for shape in [(1, 4, 6, 8), (1, 2, 9, 8), (1, 2, 9, 8)])
+    g = torch.randn(1, 4, 6, 8)
+    near = parts.attend_with_lse(q, k[:, :, :4], v[:, :, :4])
+    far = parts.attend_with_lse(q, k[:, :, 4:], v[:, :, 4:])
+    merged = parts.merge_by_lse([(*near, None), (*far, None)])
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(merged, whole, rtol=0, atol=1e-6)
+    got = torch.autograd.grad((merged * g).sum(), (q, k, v))
+    expected = torch.autograd.grad((whole * g).sum(), (q, k, v))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ATTENTION_SIDE)
+def test_a_patched_model_past_its_window_trains_on_its_own_gradients(name):
+    """The gradient of the loss along a random direction of the first layer's query weights equals
+    the loss's central difference (the model in fp64, its attention's scores in fp32): the backward
+    of every attention-side method is its forward's."""
+    model = random_model().double()
+    rope_ext.patch(model, name, factor=4)
+    ids = random_ids(3 * WINDOW)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    direction = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def loss():
+        return model(ids, labels=ids).loss * ids.shape[1]
+
+    (grad,) = torch.autograd.grad(loss(), weight)
+    step = 1e-2
+    with torch.no_grad():
+        weight += step * direction
+        ahead = loss()
+        weight -= 2 * step * direction
+        behind = loss()
+        weight += step * direction
+    assert (grad * direction).sum().item() == pytest.approx(((ahead - behind) / (2 * step)).item(), rel=1e-2)
