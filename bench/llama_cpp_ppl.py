@@ -29,7 +29,7 @@ from rope_ext.evals import loading
 from rope_ext.evals.data import Document
 from rope_ext.evals.output import markdown_table, provenance, write_measurement
 from rope_ext.evals.perplexity import LengthStats, evaluate
-from rope_ext.extras import require
+from rope_ext.extras import missing
 
 FACTOR = 4.0
 SEARCHED = Path(__file__).resolve().parents[1] / "docs/results/smollm2-search-x4-best.json"
@@ -104,7 +104,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.output.exists():
         parser.error(f"{args.output} exists; a measurement is never replaced")
-    require("llama-cpp", "bench/llama_cpp_ppl.py")
+    if missing(("llama_cpp",)):
+        parser.error('llama.cpp runs through llama-cpp-python: pip install "rope-ext[llama-cpp]" (its build: docs/serving.md)')
     import llama_cpp
 
     source = defaults.smollm2_gguf()

@@ -13,7 +13,6 @@ import importlib.util
 EXTRAS = {
     "plots": ("matplotlib",),
     "gguf": ("gguf",),
-    "llama-cpp": ("gguf", "llama_cpp"),
     "eval": ("matplotlib", "datasets", "lm_eval", "yaml"),
     "finetune": ("accelerate", "datasets", "matplotlib", "yaml"),
 }
