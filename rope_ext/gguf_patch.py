@@ -167,7 +167,7 @@ def plan(source: Path, method: str, factor: float | None, params: dict, original
     return Plan(arch, metadata, freqs, info)
 
 
-def value_type(key: str, value):
+def value_type(value):
     import gguf
 
     if isinstance(value, str):
@@ -197,7 +197,7 @@ def write(source: Path, out: Path, plan: Plan) -> int:
             sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
         for key, value in plan.metadata.items():
-            writer.add_key_value(f"{plan.arch}.{key}", value, value_type(key, value))
+            writer.add_key_value(f"{plan.arch}.{key}", value, value_type(value))
         tensors = [t for t in reader.tensors if t.name != gguf_rope.ROPE_FREQS]
         for t in tensors:
             writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)

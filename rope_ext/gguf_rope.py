@@ -168,6 +168,12 @@ def shipped_parameters(rope: LlamaCppRope) -> dict:
 
 
 def expressed(native: dict | None, inv_freq: torch.Tensor, attention: float, base: float, dims: int, window: int, length: int):
+    """`choose_keys`, its floats as the file stores them (float32), which llama.cpp reads."""
+    keys, freqs = choose_keys(native, inv_freq, attention, base, dims, window, length)
+    return {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in keys.items()}, freqs
+
+
+def choose_keys(native: dict | None, inv_freq: torch.Tensor, attention: float, base: float, dims: int, window: int, length: int):
     """(the metadata, {key under {arch}.: value}, and the rope_freqs values or None) under which
     llama.cpp computes `inv_freq` and `attention` (a patch's static frequencies and factor on cos
     and sin), over a `window`-token original context, for `length` tokens. The patch's transformers
