@@ -22,6 +22,10 @@ llama_cpp = pytest.importorskip(
 
 pytestmark = pytest.mark.slow
 F32 = 0  # GGML_TYPE_F32 (ggml/include/ggml.h): an fp32 KV cache, so that only the arithmetic differs
+# measured: the largest logit difference over 512 tokens is 1.4e-5 (linear) to 1.2e-4 (yarn), on
+# logits up to 15 in size; the unpatched file differs from the patched model by more than 1 past
+# the window
+ATOL = 5e-4
 
 
 def llama_cpp_logits(path, ids: torch.Tensor) -> torch.Tensor:
@@ -57,10 +61,10 @@ def test_llama_cpp_runs_the_patch_rope_ext_writes(method, tiny_path, heldout_ids
     assert cli.main(["patch", str(source), str(out), "--method", method, "--factor", "4"]) == 0
 
     unpatched = llama_cpp_logits(source, ids)
-    torch.testing.assert_close(unpatched, transformers_logits(model, ids), rtol=0, atol=2e-4)
+    torch.testing.assert_close(unpatched, transformers_logits(model, ids), rtol=0, atol=ATOL)
     rope_ext.patch(model, method, factor=4, original_window=window)
     expected = transformers_logits(model, ids)
     served = llama_cpp_logits(out, ids)
     gap = (unpatched - expected)[window:].abs().max()
     assert gap > 1.0  # what the comparison below must tell apart
-    torch.testing.assert_close(served, expected, rtol=0, atol=2e-4)
+    torch.testing.assert_close(served, expected, rtol=0, atol=ATOL)
