@@ -75,7 +75,10 @@ def read_file(source: Path):
     """(reader, {key: value} of every metadata field, the architecture)."""
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    try:
+        reader = gguf.GGUFReader(source)
+    except ValueError as err:
+        raise ValueError(f"{source} is not a GGUF file the gguf package reads: {err}") from None
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     arch = fields.get("general.architecture")
     if arch not in gguf_rope.ARCHITECTURES:

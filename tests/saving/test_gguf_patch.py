@@ -194,6 +194,12 @@ def test_bad_files_are_usage_errors(source, tmp_path, capsys):
         ["patch", str(missing), str(tmp_path / "o.gguf"), "--method", "yarn", "--factor", "4"], capsys
     )
 
+    text = tmp_path / "text.gguf"
+    text.write_text("not a model")
+    assert "not a GGUF file" in cli_error_line(
+        ["patch", str(text), str(tmp_path / "o.gguf"), "--method", "yarn", "--factor", "4"], capsys
+    )
+
     other = tmp_path / "qwen2.gguf"
     writer = gguf.GGUFWriter(other, "qwen2")
     writer.add_context_length(64)
@@ -204,4 +210,4 @@ def test_bad_files_are_usage_errors(source, tmp_path, capsys):
     writer.close()
     line = cli_error_line(["patch", str(other), str(tmp_path / "o.gguf"), "--method", "yarn", "--factor", "4"], capsys)
     assert "'qwen2' model" in line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "model.gguf", "qwen2.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exists.gguf", "model.gguf", "qwen2.gguf", "text.gguf"]
