@@ -11,7 +11,9 @@ no flash attention, an f16 KV cache. Its NLL is computed from those logits in fp
 GGUF is written from metadata alone (rope_ext.gguf_patch); one more row runs llama.cpp's own YaRN
 x4 set through its constructor on the unpatched file, beside rope-ext's yarn x4.
 
-    python bench/llama_cpp_ppl.py --output docs/results/smollm2-llama-cpp-16k.json   # ~40 min on 2 cores
+    python bench/llama_cpp_ppl.py --output results.json            # every run, in one process
+    python bench/llama_cpp_ppl.py --runs plain --output plain.json  # one run; then, the runs as one file:
+    python bench/llama_cpp_ppl.py --combine plain.json ... --output docs/results/smollm2-llama-cpp-16k.json
 """
 
 from __future__ import annotations
@@ -93,19 +95,9 @@ def buckets(nll: torch.Tensor, length: int, bucket: int) -> dict:
     return stats.summary()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", type=Path, required=True, help="the results JSON (a .md beside it); must not exist")
-    parser.add_argument("--length", type=int, default=16384)
-    parser.add_argument("--bucket", type=int, default=2048)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=2048, help="llama.cpp's n_batch and n_ubatch")
-    args = parser.parse_args()
-    if args.output.exists():
-        parser.error(f"{args.output} exists; a measurement is never replaced")
-    if missing(("llama_cpp",)):
-        parser.error('llama.cpp runs through llama-cpp-python: pip install "rope-ext[llama-cpp]" (its build: docs/serving.md)')
+def measure(args) -> dict:
+    """The results file of the runs `args.runs`: per run, both sides' perplexity by bucket, their
+    difference, the written metadata, the seconds; the provenance of the run."""
     import llama_cpp
 
     source = defaults.smollm2_gguf()
@@ -150,12 +142,31 @@ def main() -> None:
                 "transformers": hf,
                 "difference_percent": {"all": 100 * (cpp["ppl"] / hf["ppl"] - 1), "buckets": differences},
                 "seconds": {"llama_cpp": cpp_seconds, "transformers": time.perf_counter() - start},
+                "provenance": record,
             }
             print(
                 f"   all: llama.cpp {cpp['ppl']:.2f}, transformers {hf['ppl']:.2f}; buckets differ by "
                 + " ".join(f"{d:+.2f}%" for d in differences),
                 flush=True,
             )
+    return {"length": args.length, "bucket": args.bucket, "factor": FACTOR, "results": results}
+
+
+def combined(paths: list[Path]) -> dict:
+    """Results files of separate runs (the same length and buckets) as one, each run with its provenance."""
+    parts = [json.loads(path.read_text()) for path in paths]
+    settings = {(p["length"], p["bucket"], p["factor"]) for p in parts}
+    if len(settings) != 1:
+        raise SystemExit(f"the files measure different settings (length, bucket, factor): {sorted(settings)}")
+    return {
+        **{k: parts[0][k] for k in ("length", "bucket", "factor")},
+        "results": {k: v for p in parts for k, v in p["results"].items()},
+    }
+
+
+def table(measurement: dict) -> str:
+    """llama.cpp's and transformers' perplexity per bucket, and llama.cpp's difference in %, per run."""
+    results = measurement["results"]
     spans = [f"{b['start'] // 1024}-{b['end'] // 1024}k" for b in next(iter(results.values()))["transformers"]["buckets"]]
     rows = []
     for label, r in results.items():
@@ -169,18 +180,39 @@ def main() -> None:
                 *[round(b["ppl"], 2) for b in r["transformers"]["buckets"]],
             ]
         )
-        rows.append(
-            [
-                f"{label}: difference %",
-                *[f"{d:+.2f}" for d in (r["difference_percent"]["all"], *r["difference_percent"]["buckets"])],
-            ]
-        )
-    table = markdown_table(["run", "all", *spans], rows)
-    write_measurement(
-        args.output, {"length": args.length, "bucket": args.bucket, "factor": FACTOR, "results": results, "provenance": record}
+        differences = (r["difference_percent"]["all"], *r["difference_percent"]["buckets"])
+        rows.append([f"{label}: difference %", *[f"{d:+.2f}" for d in differences]])
+    return markdown_table(["run", "all", *spans], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, required=True, help="the results JSON (a .md beside it); must not exist")
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--bucket", type=int, default=2048)
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), metavar="RUN")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=2048, help="llama.cpp's n_batch and n_ubatch")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON", help="no measurement: these results files as one")
+    args = parser.parse_args()
+    if args.output.exists():
+        parser.error(f"{args.output} exists; a measurement is never replaced")
+    if args.combine:
+        measurement = combined(args.combine)
+    elif missing(("llama_cpp",)):
+        parser.error('llama.cpp runs through llama-cpp-python: pip install "rope-ext[llama-cpp]" (its build: docs/serving.md)')
+    else:
+        measurement = measure(args)
+    text = table(measurement)
+    write_measurement(args.output, measurement)
+    args.output.with_suffix(".md").write_text(
+        "Perplexity by position of the embedded SmolLM2 GGUF (Q4_1) in llama.cpp and of rope-ext's transformers model "
+        f"of the same patch (fp32, dequantized weights), the demo's first {measurement['length']} tokens "
+        "(bench/llama_cpp_ppl.py); difference: llama.cpp / transformers - 1.\n\n"
+        + text
+        + "\n\nProvenance of each run: its `provenance` in the JSON beside this file.\n"
     )
-    args.output.with_suffix(".md").write_text(table + "\n\nProvenance: " + json.dumps(record) + "\n")
-    print(table)
+    print(text)
 
 
 if __name__ == "__main__":
