@@ -363,10 +363,14 @@ def convert_chatglm(parser: argparse.ArgumentParser) -> None:
 
 def patch_checkpoint(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "model", metavar="MODEL", help=f"local checkpoint folder, hub id, or {DEFAULT_MODEL} (the embedded SmolLM2)"
+        "model",
+        metavar="MODEL",
+        help=f"local checkpoint folder, hub id, {DEFAULT_MODEL} (the embedded SmolLM2), or a .gguf file (written for llama.cpp)",
     )
     parser.add_argument(
-        "out", metavar="OUT", help="new (or empty) folder for the patched checkpoint (weights linked, not copied)"
+        "out",
+        metavar="OUT",
+        help="new (or empty) folder for the patched checkpoint (weights linked, not copied); a new .gguf file for a .gguf MODEL",
     )
     parser.add_argument("--method", required=True, help=METHOD_HELP)
     parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")

@@ -126,6 +126,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def command_module(name: str, args: argparse.Namespace) -> str:
+    """The module that runs command `name`: `rope-ext patch` of a GGUF file is rope_ext.gguf_patch's."""
+    if name == "patch" and args.model.lower().endswith(".gguf"):
+        return "rope_ext.gguf_patch"
+    return COMMANDS[name][0]
+
+
 def quiet_libraries() -> None:
     """--no-progress: the progress bars of transformers (weight loading) and the hub (downloads) too."""
     from huggingface_hub.utils import disable_progress_bars
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE
     try:
         extras.require_for_command(name)
-        target = importlib.import_module(COMMANDS[name][0])
+        target = importlib.import_module(command_module(name, args))
         plan = target.check(args)
     except (ValueError, OSError, extras.MissingExtra) as err:
         print(f"rope-ext {name}: error: {err}", file=sys.stderr)
