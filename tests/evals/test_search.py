@@ -34,7 +34,7 @@ def logged(out) -> list[dict]:
 @pytest.mark.integration
 def test_the_result_beats_yarn_on_held_out_needles_and_reloads(tiny_path, tiny_tokenizer, tmp_path):
     out = tmp_path / "search"
-    argv = search(tiny_path, out, "--budget-minutes", "20", "--generations", "4", "--population", "8", "--samples", "5")
+    argv = search(tiny_path, out, "--budget-minutes", "20", "--generations", "4", "--population", "8", "--samples", "8")
     assert cli.main(argv) == 0
     best = json.loads((out / BEST).read_text())
     records = logged(out)

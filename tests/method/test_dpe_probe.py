@@ -11,7 +11,7 @@ import rope_ext
 from rope_ext import cli
 from rope_ext.dpe_probe import RESULT, TABLE
 from rope_ext.method.dpe import group_distances
-from rope_ext.search import answer_loss, needles
+from rope_ext.search import DEPTHS, answer_loss, needles
 
 from helpers import cli_error_line, load_llama
 
@@ -39,7 +39,7 @@ def test_each_group_is_moved_alone_and_its_best_scale_is_reported(tiny_path, tin
     model = load_llama(tiny_path)
     scales = [8, 8, 8, 2, 8, 8, 8, 8]
     rope_ext.patch(model, "dpe", factor=4, scales=scales)
-    loss = answer_loss(model, needles(tiny_tokenizer, 512, 1, 0, "words"))
+    loss = answer_loss(model, needles(tiny_tokenizer, 512, 1, 0, "words", DEPTHS))
     assert loss == pytest.approx(result["groups"][3]["rows"][0]["loss"], abs=1e-6)
     assert loss != pytest.approx(result["baseline"]["loss"], abs=1e-3)
 
