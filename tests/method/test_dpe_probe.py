@@ -6,14 +6,13 @@ that retrieves most, refusals before a model loads."""
 import json
 
 import pytest
+from helpers import cli_error_line, load_llama
 
 import rope_ext
 from rope_ext import cli
 from rope_ext.dpe_probe import RESULT, TABLE
 from rope_ext.method.dpe import group_distances
 from rope_ext.search import DEPTHS, answer_loss, needles
-
-from helpers import cli_error_line, load_llama
 
 
 def test_each_group_is_moved_alone_and_its_best_scale_is_reported(tiny_path, tiny_tokenizer, tmp_path):
