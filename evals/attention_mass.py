@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+CHUNK = 8192  # prefill chunk: bounds the mask sdpa builds for a rest that follows cached keys
+
 
 def passkey_spans(tokenizer, prompt, near: int, bins: int) -> dict[str, tuple[int, int]]:
     """{part: [start, end) token range} of a passkey prompt (rope_ext.evals.passkey.Prompt)."""
@@ -112,21 +114,14 @@ def _last_row(mask):
 def run_prompts(model, tokenizer, length: int, depths, seed: int, near: int, bins: int, new_tokens: int) -> list[dict]:
     """One record per depth: the prompt's parts, the greedy answer, and the masses
     {part: [layer][head]} of the last prompt token's query (the one that answers)."""
-    from rope_ext.chunked import chunked_forward, copy_prefix, new_cache
-
-    from .passkey import build_prompt, first_integer, shared_prefix, trial_key
+    from .passkey import build_prompt, first_integer, prefill, trial_key
 
     kept, records = None, []
     for depth in sorted(depths, reverse=True):  # the deepest key first: the others share its filler
         prompt = build_prompt(tokenizer, length, depth, trial_key(seed, length, depth, 0))
         head = prompt.ids[:-1]
-        if kept is None:
-            kept = (head, new_cache(model))
-            chunked_forward(model, torch.tensor([head]), 8192, cache=kept[1], keep_hidden=False)
-        shared = shared_prefix(kept[0], head)
-        cache = copy_prefix(model, kept[1], shared)
-        if shared < len(head):
-            chunked_forward(model, torch.tensor([head[shared:]]), 8192, cache=cache, keep_hidden=False)
+        kept = kept or (head, prefill(model, head, chunk_size=CHUNK))
+        cache = prefill(model, head, kept, CHUNK)
         spans = passkey_spans(tokenizer, prompt, near, bins)
         with torch.no_grad():
             with mass_probe(model, list(spans.values())) as found:

@@ -113,6 +113,20 @@ def first_integer(text: str) -> int | None:
     return int(match.group()) if match else None
 
 
+def prefill(model, head: list, start: tuple | None = None, chunk_size: int | None = None):
+    """The KV cache of the tokens `head`: from a copy of `start`, an (ids, cache) kept from another
+    prompt, cut to where the two agree, and the rest through the model `chunk_size` tokens at a time
+    (default: at once)."""
+    shared, cache = 0, new_cache(model)
+    if start is not None:
+        shared = shared_prefix(start[0], head)
+        cache = copy_prefix(model, start[1], shared)
+    if shared < len(head):
+        rest = torch.tensor([head[shared:]], device=model.get_output_embeddings().weight.device)
+        chunked_forward(model, rest, chunk_size or rest.shape[1], cache=cache, keep_hidden=False)
+    return cache
+
+
 def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int | None = None, share_prefix: bool = False):
     """answer(prompt) -> the model's greedy continuation, decoded. With `chunk_size` the prompt is
     prefilled through the KV cache that many tokens at a time (rope_ext.chunked_generate).
@@ -132,18 +146,6 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int |
     if share_prefix:
         copy_prefix(model, new_cache(model), 0)  # a cache that cannot be shared is refused before any prompt runs
 
-    def prefill(head: list, start: tuple | None = None):
-        """The cache of the tokens `head`: from a copy of the kept (ids, cache) `start` cut to
-        where they agree, the rest through the model."""
-        shared, cache = 0, new_cache(model)
-        if start is not None:
-            shared = shared_prefix(start[0], head)
-            cache = copy_prefix(model, start[1], shared)
-        if shared < len(head):
-            rest = torch.tensor([head[shared:]], device=device)
-            chunked_forward(model, rest, chunk_size or rest.shape[1], cache=cache, keep_hidden=False)
-        return cache
-
     @torch.inference_mode()
     def answer(prompt: Prompt) -> str:
         ids = torch.tensor([prompt.ids], device=device)
@@ -152,8 +154,8 @@ def model_answerer(model, tokenizer, max_new_tokens: int = 10, chunk_size: int |
             head = prompt.ids[:-1]
             if prompt.length not in kept:
                 kept.clear()  # one length at a time: run_trials asks them in order
-                kept[prompt.length] = (head, prefill(head))
-            cache = prefill(head, kept[prompt.length])
+                kept[prompt.length] = (head, prefill(model, head, chunk_size=chunk_size))
+            cache = prefill(model, head, kept[prompt.length], chunk_size)
             out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=config)
         elif chunk_size is None:
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
