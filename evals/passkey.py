@@ -33,12 +33,12 @@ import torch
 from tqdm import tqdm
 
 from rope_ext import arguments
-from rope_ext.arguments import DEFAULT_DEPTHS, DEFAULT_SEEDS
 from rope_ext import method as registry
-from rope_ext.defaults import resolve_checkpoint
-from rope_ext.record import FINETUNE_FILE, read_finetune
+from rope_ext.arguments import DEFAULT_DEPTHS, DEFAULT_SEEDS
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
+from rope_ext.defaults import resolve_checkpoint
 from rope_ext.method.base import Method
+from rope_ext.record import FINETUNE_FILE, read_finetune
 
 from . import loading, output, retrieval
 

@@ -37,8 +37,8 @@ from transformers import AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.arguments import DEFAULT_ROOT
-from rope_ext.evals import loading, output
 from rope_ext.chunked import copy_prefix, new_cache
+from rope_ext.evals import loading, output
 from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import as_size, check_factor
