@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from rope_ext.evals import loading, output, perplexity
+from rope_ext import loading
+from rope_ext.evals import measured, output, perplexity
 from rope_ext.evals.data import GUTENBERG_JOINED, Document, iter_texts
 
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     perplexity.evaluate(model, [Document("warm-up", docs[0].ids[:64])], [64], progress=False)
 
     report = {
-        "model": loading.model_label(model),
+        "model": measured.model_label(model),
         "method": args.method,
         "factor": None if info is None else info.factor,
         "threads": args.threads,

@@ -8,7 +8,7 @@ bucketing for both sides).
 llama.cpp runs through llama-cpp-python (the `llama-cpp` extra, docs/serving.md for the build on a
 CPU without AVX-512) with its defaults but for the context: n_ctx = --length, logits for every row,
 no flash attention, an f16 KV cache. Its NLL is computed from those logits in fp32. Each patched
-GGUF is written from metadata alone (rope_ext.gguf_patch); one more row runs llama.cpp's own YaRN
+GGUF is written from metadata alone (rope_ext.export.gguf_patch); one more row runs llama.cpp's own YaRN
 x4 set through its constructor on the unpatched file, beside rope-ext's yarn x4.
 
     python bench/llama_cpp_ppl.py --output results.json            # every run, in one process
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from rope_ext import defaults, gguf_patch, gguf_rope
-from rope_ext.evals import loading
+from rope_ext import defaults, loading
+from rope_ext.export import gguf_patch, gguf_rope
 from rope_ext.evals.data import Document
 from rope_ext.evals.output import markdown_table, provenance, write_measurement
 from rope_ext.evals.perplexity import LengthStats, evaluate

@@ -153,9 +153,9 @@ def main(argv=None) -> int:
     import json
     import time
 
-    from rope_ext.arguments import model_arguments
+    from rope_ext import loading
 
-    from . import loading, output
+    from . import measured, output
 
     parser = argparse.ArgumentParser(prog="python -m rope_ext.evals.attention_mass", description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, required=True, help="prompt length in tokens")
@@ -165,14 +165,14 @@ def main(argv=None) -> int:
     parser.add_argument("--bins", type=int, default=32, help="equal bins of the prompt (default 32)")
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--output", required=True, help="the JSON file to write")
-    model_arguments(parser)
+    loading.model_arguments(parser)
     args = parser.parse_args(argv)
     params = loading.check_model_args(args)
     model, tokenizer, info = loading.model_from_args(args, params)
     started = time.perf_counter()
     records = run_prompts(model, tokenizer, args.length, args.depths, args.seed, args.near, args.bins, args.max_new_tokens)
     setup = {
-        **loading.describe_setup(model, info, args.method, params),
+        **measured.describe_setup(model, info, args.method, params),
         "length": args.length,
         "seed": args.seed,
         "seconds": round(time.perf_counter() - started, 1),

@@ -20,12 +20,12 @@ from importlib import resources
 import yaml
 
 import rope_ext
-from rope_ext import arguments
+from rope_ext import loading
 from rope_ext.extras import require
 from rope_ext.method.base import as_size, check_factor
 
 from . import data as data_mod
-from . import loading, output, passkey, perplexity
+from . import measured, output, passkey, perplexity
 
 RULER_TASK = "niah_single_1"  # one needle in a repeated filler: no download (docs/evals.md, "Standard suites")
 RULER_SAMPLES = 500  # what lm-eval's RULER tasks build per length
@@ -63,7 +63,7 @@ def original_window(model) -> int:
     applied = loading.patched(model)
     if applied is not None:
         return applied.original_window
-    return loading.capacity(model)[0]
+    return measured.capacity(model)[0]
 
 
 def markdown(report: dict) -> str:
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace, plan) -> int:
 
     report = {
         "setup": {
-            "model": loading.model_label(model),
+            "model": measured.model_label(model),
             "original_window": window,
             "lengths": lengths,
             "factor": factor,
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace, plan) -> int:
         print(f"rope-ext compare: {label}", file=sys.stderr)
         started = time.perf_counter()
         info = loading.apply_method(model, method, None if method == loading.PLAIN else factor, params)
-        loading.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
+        measured.warn_beyond_capacity(model, lengths[-1] + int(bos), f"{label} at length {lengths[-1]}")
         ppl = perplexity.evaluate(
             model,
             documents,
@@ -331,14 +331,3 @@ def run(args: argparse.Namespace, plan) -> int:
     print(text)
     print(f"results in {out.folder}")
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rope-ext compare", description=__doc__.split("\n\n")[0])
-    arguments.compare(parser)
-    args = parser.parse_args(argv)
-    return run(args, check(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

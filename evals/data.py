@@ -1,6 +1,8 @@
 """Documents to measure perplexity on: the embedded Gutenberg plays, local text, or a `datasets`
 dataset when a hub is reachable. Every source yields (name, text) pairs; `tokenize_documents`
-turns them into token streams, filtered by length."""
+turns them into token streams, filtered by length. `data_arguments` is the argument group that
+chooses them; the commands' parsers read it before torch loads, so torch is imported where a
+document is made."""
 
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-import torch
-from tqdm import tqdm
-
-from rope_ext.arguments import GUTENBERG, GUTENBERG_JOINED
 from rope_ext.extras import require
+
+if TYPE_CHECKING:
+    import torch
+
+GUTENBERG = "gutenberg"  # each play one document
+# the first six plays joined: the long document of docs/references.md, "Reference measurements on SmolLM2-135M"
+GUTENBERG_JOINED = "gutenberg-joined"
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 BINARY_PROBE = 8192  # bytes of a file searched for a NUL byte
@@ -105,7 +110,7 @@ def _looks_like_path(source: str) -> bool:
 
 
 def iter_texts(source: str = GUTENBERG, split: str = "test", field: str = "text") -> Iterator[tuple[str, str]]:
-    """(name, text) for every document of `source` (see rope_ext.arguments.data_arguments). The source is
+    """(name, text) for every document of `source` (see data_arguments). The source is
     opened and checked by this call, before the first document is asked for."""
     from rope_ext.defaults import gutenberg_documents, gutenberg_text
 
@@ -133,6 +138,9 @@ def tokenize_documents(
     """Token streams (no special tokens) of the texts with at least `min_tokens` tokens; at most
     `limit` of them, the first ones or, with `seed`, a seeded random choice. Raises ValueError
     when nothing is left."""
+    import torch
+    from tqdm import tqdm
+
     check_selection(min_tokens, limit, seed)
     pairs = texts
     if seed is not None:  # a random choice needs the whole list; the first N can stream
@@ -158,6 +166,28 @@ def tokenize_documents(
             + (f" (the longest skipped one has {shortest})" if shortest is not None else "")
         )
     return documents
+
+
+def data_arguments(parser) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument(
+        "--data",
+        default=GUTENBERG,
+        metavar="SOURCE",
+        help=f"'{GUTENBERG}' (each embedded Gutenberg play is a document), '{GUTENBERG_JOINED}' (the first six "
+        "plays as one document), a local text file, a folder of text/JSONL files, or a `datasets` id such as "
+        "emozilla/pg19-test (needs a reachable hub) (default: gutenberg)",
+    )
+    group.add_argument("--data-split", default="test", help="split of a `datasets` source (default: test)")
+    group.add_argument("--data-field", default="text", help="text field of a `datasets` or JSONL source (default: text)")
+    group.add_argument("--min-tokens", type=int, default=0, help="skip documents shorter than this many tokens")
+    group.add_argument("--limit", type=int, default=None, help="use at most this many documents (after --min-tokens)")
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="with --limit: pick the documents at random with this seed instead of the first ones",
+    )
 
 
 def texts_from_args(args) -> Iterator[tuple[str, str]]:

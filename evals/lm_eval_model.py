@@ -38,11 +38,12 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.utils import handle_arg_string  # noqa: E402
 
 import rope_ext
+from rope_ext import loading
 from rope_ext import method as registry
 from rope_ext.defaults import resolve_checkpoint
 from rope_ext.method.base import as_size
 
-from . import lm_eval_tasks, loading
+from . import lm_eval_tasks
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 log = logging.getLogger(__name__)

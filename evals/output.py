@@ -2,7 +2,8 @@
 result file is never replaced unless the user says --overwrite; the check runs before any
 compute, so a forgotten --output costs nothing. Every results file records its provenance
 (`provenance`): the software versions, the source's git commit when it runs from a checkout, the
-machine settings and the checkpoint."""
+machine settings and the checkpoint. `output_arguments` is the argument group that names the folder;
+the commands' parsers read it before torch loads."""
 
 from __future__ import annotations
 
@@ -15,8 +16,16 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rope_ext.arguments import DEFAULT_ROOT
-from rope_ext.record import FINETUNE_FILE, read_finetune
+DEFAULT_ROOT = "rope-ext-results"
+
+
+def output_arguments(parser) -> None:
+    group = parser.add_argument_group("output")
+    group.add_argument(
+        "--output", default=None, metavar="DIR", help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)"
+    )
+    group.add_argument("--overwrite", action="store_true", help="replace result files that already exist in --output")
+    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
 
 class ResultFolder:
@@ -110,6 +119,7 @@ def config_hash(model_as_given: str | None) -> str:
     from transformers.utils import cached_file
 
     from rope_ext.defaults import resolve_checkpoint
+    from rope_ext.record import FINETUNE_FILE, read_finetune
 
     name = resolve_checkpoint(model_as_given)
     local = Path(name).expanduser()  # loading expands ~ too

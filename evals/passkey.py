@@ -32,15 +32,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rope_ext import arguments
+from rope_ext import loading
 from rope_ext import method as registry
-from rope_ext.arguments import DEFAULT_DEPTHS, DEFAULT_SEEDS
 from rope_ext.chunked import chunked_forward, chunked_generate, copy_prefix, new_cache
 from rope_ext.defaults import resolve_checkpoint
 from rope_ext.method.base import Method
 from rope_ext.record import FINETUNE_FILE, read_finetune
 
-from . import loading, output, retrieval
+from . import measured, output, retrieval
+from .retrieval import DEFAULT_DEPTHS, DEFAULT_SEEDS
 
 TASK = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -295,7 +295,7 @@ def markdown(result: dict, setup: dict) -> str:
 
 def default_lengths(model, tokenizer) -> list[int]:
     """capacity/4, capacity/2 and capacity, leaving out those too short for the prompt."""
-    limit, _ = loading.capacity(model)
+    limit, _ = measured.capacity(model)
     shortest = minimum_length(tokenizer)
     return sorted({n for n in (limit // 4, limit // 2, limit) if n >= shortest} or {limit})
 
@@ -339,7 +339,7 @@ def check(args: argparse.Namespace):
         saved = loading.saved_patch(args.model) if args.method is None else None
         if saved is not None:
             check_shareable(registry.get(saved.method, saved.params), saved.params)
-        elif args.method not in (None, arguments.PLAIN):
+        elif args.method not in (None, loading.PLAIN):
             method, _, checked = registry.check(args.method, args.factor, params)
             check_shareable(method, checked)
     baseline = None
@@ -405,10 +405,10 @@ def base_name(args: argparse.Namespace, model) -> str | None:
     its GGUF bytes); None for a checkpoint saved patched, whose config does not name its base."""
     folder = None if args.model is None else Path(args.model).expanduser()
     if folder is not None and (folder / FINETUNE_FILE).is_file():
-        return loading.name_label(resolve_checkpoint(read_finetune(folder)[0]))
+        return measured.name_label(resolve_checkpoint(read_finetune(folder)[0]))
     if args.method is None and loading.patched(model) is not None:
         return None
-    return loading.model_label(model)
+    return measured.model_label(model)
 
 
 def run(args: argparse.Namespace, plan) -> int:
@@ -416,21 +416,23 @@ def run(args: argparse.Namespace, plan) -> int:
     model, tokenizer, info = loading.model_from_args(args, params)
     if baseline is not None:
         patch = loading.patched(model)
-        window = patch.original_window if patch else loading.capacity(model)[0]
+        window = patch.original_window if patch else measured.capacity(model)[0]
         baseline = retrieval.baseline_summary(baseline, window, base_name(args, model), args.trials)
     lengths = args.lengths or default_lengths(model, tokenizer)
     for n in sorted(lengths):
-        loading.warn_beyond_capacity(model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)")
+        measured.warn_beyond_capacity(
+            model, n + args.max_new_tokens, f"passkey length {n} (+{args.max_new_tokens} answer tokens)"
+        )
     record = output.provenance(model, args.model)
     setup = {
-        **loading.describe_setup(model, info, args.method, params, args.chunk_size),
+        **measured.describe_setup(model, info, args.method, params, args.chunk_size),
         "trials": args.trials,
         "seeds": sorted(set(args.seeds)),
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "share_prefix": args.share_prefix,
         # the weights and config measured: a folder's name alone does not tell two checkpoints apart
-        "checkpoint_sha256": loading.checkpoint_digest(model),
+        "checkpoint_sha256": measured.checkpoint_digest(model),
     }
     earlier = 0.0
     if stopped is not None:
@@ -470,14 +472,3 @@ def run(args: argparse.Namespace, plan) -> int:
     print(text)
     print(f"results in {out.folder}")
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rope-ext eval passkey", description=__doc__.split("\n\n")[0])
-    arguments.passkey(parser)
-    args = parser.parse_args(argv)
-    return run(args, check(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from rope_ext import arguments
+from rope_ext import loading
 from rope_ext.chunked import chunked_forward, token_nll
 
 from . import data as data_mod
-from . import loading, output
+from . import measured, output
 
 
 @dataclass(frozen=True)
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace, plan) -> int:
     documents = data_mod.documents_from_args(args, texts, tokenizer)
     bos, bos_id = bos_token(tokenizer, args.bos)
     for n in sorted(args.lengths):
-        loading.warn_beyond_capacity(model, n + int(bos), f"length {n}")
+        measured.warn_beyond_capacity(model, n + int(bos), f"length {n}")
     longest_doc = max(len(d) for d in documents)
     for n in args.lengths:
         if n > longest_doc:
@@ -387,7 +387,7 @@ def run(args: argparse.Namespace, plan) -> int:
         progress=not args.no_progress,
     )
     setup = {
-        **loading.describe_setup(model, info, args.method, params, args.chunk_size),
+        **measured.describe_setup(model, info, args.method, params, args.chunk_size),
         "data": args.data,
         "documents": len(documents),
         "document_tokens": sum(len(d) for d in documents),
@@ -413,14 +413,3 @@ def run(args: argparse.Namespace, plan) -> int:
     print(text)
     print(f"results in {out.folder}")
     return 0
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="rope-ext eval ppl", description=__doc__.split("\n\n")[0])
-    arguments.perplexity(parser)
-    args = parser.parse_args(argv)
-    return run(args, check(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

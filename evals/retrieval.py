@@ -18,6 +18,11 @@ import math
 from pathlib import Path
 
 Z95 = 1.959964  # the 97.5% quantile of the standard normal
+# The passkey grid's default (rope-ext eval passkey), here where the command's parser reads it
+# before torch loads: a dense sweep, since five depths can step over a band of depths a method
+# does not read from.
+DEFAULT_DEPTHS = tuple(round(0.05 * k, 2) for k in range(1, 20))  # 0.05, 0.1, ... 0.95
+DEFAULT_SEEDS = (0, 1)
 
 
 def wilson(correct: int, total: int, z: float = Z95) -> tuple[float, float]:

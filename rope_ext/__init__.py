@@ -59,7 +59,7 @@ _API = {
     "lora_targets": ("patching", "lora_targets"),
     "methods": ("patching", "listing"),
     "patch": ("patching", "patch"),
-    "patch_config": ("twin", "patch_config"),
+    "patch_config": ("export.twin", "patch_config"),
     "reapply": ("patching", "reapply"),
     "unpatch": ("patching", "unpatch"),
     "from_pretrained": ("saving", "from_pretrained"),

@@ -1,6 +1,6 @@
 """The names of the methods rope-ext registers and of those it retired, and the answer to a name
 that is neither. Standard library only, and below everything that names a method: the registry
-(rope_ext.method) answers an unknown name with it, and the command line (rope_ext.arguments)
+(rope_ext.method) answers an unknown name with it, and the command line (rope_ext.cli)
 answers a misspelt one before torch, transformers or lm-eval load."""
 
 from __future__ import annotations

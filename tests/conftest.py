@@ -74,7 +74,7 @@ def one_thread():
 @pytest.fixture
 def no_model(monkeypatch):
     """Any model load fails the test: a command must refuse its arguments before a model loads."""
-    from rope_ext.evals import loading
+    from rope_ext import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the arguments were checked")

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rope_ext.arguments import ROPE_RATIO_MEANINGS as MEANINGS
-
 from ..base import unwrap
 from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
+# what rope_ratio does: ChatGLM3-6B-32K and GLM-4 multiply the base by it, ChatGLM2-6B-32K divides positions
+MEANINGS = ("base", "positions")
 # how messages name the rope_ratio_meaning option: convert_chatglm's keyword, the command's flag
 PYTHON_SPELLING = "rope_ratio_meaning={!r}"
 CLI_SPELLING = "--rope-ratio-meaning {}"

@@ -15,7 +15,7 @@ import yaml
 
 import rope_ext
 import rope_ext.method
-from rope_ext.evals.loading import parse_params
+from rope_ext.loading import DTYPES, parse_params
 
 # The recipes' configs: recipes/configs in a checkout, shipped in the wheel as rope_ext/recipes/configs.
 CONFIGS = Path(str(resources.files("rope_ext.recipes") / "configs"))
@@ -86,7 +86,6 @@ DEFAULTS: dict = {
 # the keys that only change how the same result is computed.
 IDENTITY_SECTIONS = ("model", "patch", "lora", "data", "training")
 NOT_IDENTITY = {("data", "num_proc")}
-DTYPES = ("float32", "bfloat16", "float16")
 # The autocast a half-precision base needs: the float32 trainable norms and embeddings feed its
 # half-precision matmuls.
 HALF_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}

@@ -15,7 +15,8 @@ from transformers.utils import logging as transformers_logging
 
 import rope_ext
 from rope_ext import cli
-from rope_ext.evals import loading
+from rope_ext.commands import env
+from rope_ext import loading
 from rope_ext.training.config import DEFAULTS, FLAGS, parse_args
 from rope_ext.training.distributed import choose_precision
 
@@ -26,13 +27,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.strip() == f"rope-ext {cli.version('rope-ext')}"
+    assert capsys.readouterr().out.strip() == f"rope-ext {env.version('rope-ext')}"
 
 
 def test_env_names_versions_device_and_threads(capsys):
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
-    for name in cli.PACKAGES:
+    for name in env.PACKAGES:
         assert name in out
     assert torch.__version__ in out and transformers.__version__ in out
     assert f"threads       {torch.get_num_threads()}" in out
@@ -271,11 +272,22 @@ def test_compare_checks_the_chunk_size_before_the_model_loads(no_model, tmp_path
 # A typo in a method name is answered before torch, transformers or lm-eval load (issue #29).
 
 
+def test_the_choices_a_parser_names_without_torch_are_the_ones_that_run():
+    """`rope-ext search --space` and `rope-ext convert-chatglm --rope-ratio-meaning` name their choices
+    before torch loads; the search's spaces and the converter's meanings are what they choose from."""
+    from rope_ext.commands import convert_chatglm, search
+    from rope_ext.patches.chatglm.convert import MEANINGS
+    from rope_ext.tuning.search_space import SPACES
+
+    assert search.SEARCH_SPACES == tuple(SPACES)
+    assert convert_chatglm.ROPE_RATIO_MEANINGS == MEANINGS
+
+
 def test_the_method_names_known_without_torch_are_the_registered_ones():
     import rope_ext
-    from rope_ext import arguments
+    from rope_ext import names
 
-    assert arguments.METHOD_NAMES == tuple(rope_ext.methods())
+    assert names.METHOD_NAMES == tuple(rope_ext.methods())
 
 
 @pytest.mark.slow  # spawns an interpreter

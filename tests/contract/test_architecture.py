@@ -79,14 +79,84 @@ def test_no_import_cycle():
             visit(name, [name])
 
 
+# The package root: the core alone (and the router, rope_ext.cli); every other floor has its folder.
+CORE = (
+    "catalog",
+    "chunked",
+    "defaults",
+    "extras",
+    "geometry",
+    "loading",
+    "names",
+    "patching",
+    "record",
+    "rotary",
+    "rotation",
+    "saving",
+    "serving",
+    "shipped",
+)
+# What a command's module may import at its top: modules that import no torch when they load
+# (tests/cli/test_cli.py runs every --help and checks it).
+TORCH_FREE = (
+    "rope_ext",
+    "rope_ext.catalog",
+    "rope_ext.defaults",
+    "rope_ext.extras",
+    "rope_ext.names",
+    "rope_ext.loading",
+    "rope_ext.evals",
+    "rope_ext.evals.data",
+    "rope_ext.evals.output",
+    "rope_ext.evals.retrieval",
+)
+# The commands and what a command runs: their modules import ours when they run, so that `--help`
+# starts without torch and a figure's optional matplotlib loads only to draw it.
+COMMANDS = ("rope_ext.cli", "rope_ext.commands", "rope_ext.evals", "rope_ext.tuning.search")
+# What the commands' parsers read before torch loads: it imports the registry, the record and
+# patching in the functions that use them.
+READ_BY_PARSERS = ("rope_ext.loading",)
+
+
+def within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
 def test_core_imports_its_own_modules_at_the_top():
     """Below the command line, an import of our own module inside a function would only be there
-    to dodge a cycle. The commands (cli, demo, search, patch, evals) import theirs when they run, so that
-    `--help` starts without torch and a figure's optional matplotlib loads only to draw it."""
-    commands = ("rope_ext.cli", "rope_ext.demo", "rope_ext.search", "rope_ext.patch_checkpoint")
-    core = [n for n in GRAPH if not n.startswith("rope_ext.evals") and n not in commands]
+    to dodge a cycle."""
+    core = [n for n in GRAPH if not within(n, COMMANDS + READ_BY_PARSERS)]
     late = [(n, t) for n in core for t, inside in GRAPH[n] if inside]
     assert late == []
+
+
+def test_nothing_below_the_commands_imports_them():
+    """The core, the evals, the writers (rope_ext.export), the tuning, training and the study import
+    no command module and not the router."""
+    wrong = [
+        (n, t)
+        for n in GRAPH
+        if not within(n, ("rope_ext.cli", "rope_ext.commands"))
+        for t, _ in GRAPH[n]
+        if within(t, ("rope_ext.cli", "rope_ext.commands"))
+    ]
+    assert wrong == []
+
+
+def test_the_package_root_holds_the_core_and_a_folder_per_floor():
+    """The root's modules are the core (and the router); the commands, the evals, the writers, the
+    tuning, training and the study each have their folder."""
+    root = sorted(p.stem for p in (ROOT / "rope_ext").glob("*.py") if p.stem != "__init__")
+    assert root == sorted(CORE + ("cli",))
+
+
+def test_every_help_reads_only_torch_free_modules():
+    """A command's module imports at its top only the modules whose own top imports no torch, so that
+    every `--help` answers at once (tests/cli checks it by running each)."""
+    for name in GRAPH:
+        if within(name, ("rope_ext.commands",)):
+            top = {t for t, inside in GRAPH[name] if not inside}
+            assert all(t in TORCH_FREE or within(t, ("rope_ext.commands",)) for t in top), (name, top)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +167,12 @@ def test_core_imports_its_own_modules_at_the_top():
             ("rope_ext.patches", "rope_ext.patching", "rope_ext.saving", "rope_ext.record", "rope_ext.evals", "rope_ext.cli"),
         ),
         ("rope_ext.patches", ("rope_ext.patching", "rope_ext.saving", "rope_ext.evals", "rope_ext.cli", "rope_ext.training")),
-        ("rope_ext.patching", ("rope_ext.evals", "rope_ext.cli", "rope_ext.saving")),
+        ("rope_ext.patching", ("rope_ext.evals", "rope_ext.cli", "rope_ext.saving", "rope_ext.loading")),
+        ("rope_ext.loading", ("rope_ext.evals", "rope_ext.export", "rope_ext.tuning", "rope_ext.training")),
+        ("rope_ext.evals", ("rope_ext.export", "rope_ext.tuning", "rope_ext.training", "rope_ext.study")),
+        ("rope_ext.export", ("rope_ext.evals", "rope_ext.tuning", "rope_ext.training", "rope_ext.study")),
+        ("rope_ext.tuning", ("rope_ext.export", "rope_ext.training", "rope_ext.study")),
+        ("rope_ext.training", ("rope_ext.export", "rope_ext.tuning", "rope_ext.study")),
     ],
 )
 def test_dependencies_run_one_way(layer, forbidden):
@@ -177,10 +252,6 @@ def test_one_check_decides_whether_a_method_runs_on_a_model():
     static = {name for name, spec in methods.REGISTRY.items() if spec.rotation == "static" and not spec.needs_attention_interface}
     assert {name for name, reason in refused.items() if reason is None} == static
     assert all(reason.startswith(name) for name, reason in refused.items() if reason is not None)
-
-
-def test_nothing_imports_the_cli():
-    assert [n for n in GRAPH if any(t == "rope_ext.cli" for t, _ in GRAPH[n])] == []
 
 
 def test_orchestration_names_no_method_and_no_family():

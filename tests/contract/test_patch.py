@@ -13,7 +13,7 @@ from transformers import BertConfig, BertModel
 from transformers.utils import logging as hf_logging
 
 import rope_ext
-from rope_ext.evals import loading
+from rope_ext import loading
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
 from helpers import DYNAMIC_METHODS, WINDOW, greedy, load_llama, logits, native_twin, random_ids, random_model

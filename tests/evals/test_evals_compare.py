@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from rope_ext import cli
 from rope_ext.evals import compare
 
 
@@ -41,7 +42,7 @@ def test_compare_methods_by_length(tiny_path, tmp_path):
         "--no-progress",
     ]
     with pytest.warns(UserWarning, match="plain at length 512"):
-        assert compare.main(argv) == 0
+        assert cli.call(["compare"] + argv) == 0
     assert {p.name for p in out.iterdir()} == {"compare.json", "compare.md", "compare.png"}
     report = json.loads((out / "compare.json").read_text())
     assert report["setup"]["factor"] == 4  # 512 / 128
@@ -66,13 +67,13 @@ def test_compare_methods_by_length(tiny_path, tmp_path):
 
 def test_bad_method_parameter_is_refused_before_loading(tmp_path):
     with pytest.raises(ValueError, match="METHOD:KEY=VALUE"):
-        compare.main(["--methods", "plain", "yarn", "--param", "ntk:granularity=4", "--output", str(tmp_path / "x")])
+        cli.call(["compare"] + ["--methods", "plain", "yarn", "--param", "ntk:granularity=4", "--output", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="unknown method"):
-        compare.main(["--methods", "plain", "nope", "--output", str(tmp_path / "x")])
+        cli.call(["compare"] + ["--methods", "plain", "nope", "--output", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="twice"):
-        compare.main(["--methods", "yarn", "yarn", "--output", str(tmp_path / "x")])
+        cli.call(["compare"] + ["--methods", "yarn", "yarn", "--output", str(tmp_path / "x")])
     with pytest.raises(ValueError, match="KEY=VALUE"):
-        compare.main(["--methods", "dynamic:granularity", "--output", str(tmp_path / "x")])
+        cli.call(["compare"] + ["--methods", "dynamic:granularity", "--output", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
 
 
@@ -111,7 +112,7 @@ def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
         "--no-progress",
     ]
     with pytest.warns(UserWarning, match="plain at length 512"):
-        assert compare.main(argv) == 0
+        assert cli.call(["compare"] + argv) == 0
     report = json.loads((out / "compare.json").read_text())
     assert report["setup"]["ruler"] == {"task": "niah_single_1", "lengths": [384, 512], "samples": {"384": 2, "512": 2}}
     for m in report["methods"]:
@@ -127,9 +128,9 @@ def test_compare_adds_a_ruler_column(tiny_path, tmp_path):
 def test_bad_ruler_options_are_refused_before_loading(tmp_path):
     base = ["--methods", "plain", "--output", str(tmp_path / "x")]
     with pytest.raises(ValueError, match="--ruler-task 'nope' is not a RULER task; choose from niah_single_1"):
-        compare.main(base + ["--ruler-samples", "2", "--ruler-task", "nope"])
+        cli.call(["compare"] + base + ["--ruler-samples", "2", "--ruler-task", "nope"])
     with pytest.raises(ValueError, match="RULER builds 500 samples per length"):
-        compare.main(base + ["--ruler-samples", "501"])
+        cli.call(["compare"] + base + ["--ruler-samples", "501"])
     with pytest.raises(ValueError, match="--ruler-lengths needs --ruler-samples"):
-        compare.main(base + ["--ruler-lengths", "4096"])
+        cli.call(["compare"] + base + ["--ruler-lengths", "4096"])
     assert not (tmp_path / "x").exists()

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rope_ext
+from rope_ext import cli
 from rope_ext.evals import passkey
 
 
@@ -104,7 +105,7 @@ def test_cli_writes_json_table_and_heatmap(tiny_path, tmp_path):
         "--no-progress",
     ]
     with pytest.warns(UserWarning, match="meant for 128"):
-        assert passkey.main(argv) == 0
+        assert cli.call(["eval", "passkey"] + argv) == 0
     saved = json.loads((out / "passkey.json").read_text())
     assert len(saved["trials"]) == 3  # --limit: both lengths first, then the second trial of the shortest
     assert {t["length"] for t in saved["trials"]} == {150, 256}
@@ -113,7 +114,9 @@ def test_cli_writes_json_table_and_heatmap(tiny_path, tmp_path):
     assert "| length \\ depth |" in (out / "passkey.md").read_text()
     assert not (out / passkey.PARTIAL).exists()  # the finished run leaves its results only
     with pytest.raises(ValueError, match="too small"):
-        passkey.main(["--model", str(tiny_path), "--lengths", "30", "--output", str(tmp_path / "x"), "--no-progress"])
+        cli.call(
+            ["eval", "passkey"] + ["--model", str(tiny_path), "--lengths", "30", "--output", str(tmp_path / "x"), "--no-progress"]
+        )
     assert not (tmp_path / "x").exists()
 
 
@@ -132,8 +135,9 @@ def test_a_stopped_run_keeps_the_trials_it_answered(tiny_path, tmp_path, monkeyp
     monkeypatch.setattr(passkey, "model_answerer", answerer)
     out = tmp_path / "pk"
     with pytest.raises(KeyboardInterrupt):
-        passkey.main(
-            [
+        cli.call(
+            ["eval", "passkey"]
+            + [
                 "--model",
                 str(tiny_path),
                 "--lengths",
@@ -187,23 +191,23 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
         "--no-progress",
     ]
     monkeypatch.setattr(passkey, "model_answerer", answerer)
-    assert passkey.main(argv + ["--output", str(tmp_path / "whole")]) == 0
+    assert cli.call(["eval", "passkey"] + argv + ["--output", str(tmp_path / "whole")]) == 0
     whole = json.loads((tmp_path / "whole" / "passkey.json").read_text())
 
     out = tmp_path / "pk"
     monkeypatch.setattr(passkey, "model_answerer", lambda *a, **k: answerer(stop_after=len(asked) + 3))
     with pytest.raises(KeyboardInterrupt):
-        passkey.main(argv + ["--output", str(out)])
+        cli.call(["eval", "passkey"] + argv + ["--output", str(out)])
     stopped = (out / passkey.PARTIAL).read_text()
     assert len(json.loads(stopped)["trials"]) == 3
 
     with pytest.raises(ValueError, match="another setup \\(seeds differ"):  # checked before any trial; the partial file stays
-        passkey.main(argv + ["--output", str(out), "--resume", "--seeds", "0", "1"])
+        cli.call(["eval", "passkey"] + argv + ["--output", str(out), "--resume", "--seeds", "0", "1"])
     assert (out / passkey.PARTIAL).read_text() == stopped
 
     monkeypatch.setattr(passkey, "model_answerer", answerer)
     before = len(asked)
-    assert passkey.main(argv + ["--output", str(out), "--resume"]) == 0
+    assert cli.call(["eval", "passkey"] + argv + ["--output", str(out), "--resume"]) == 0
     last = next(t for t in whole["trials"] if (t["depth"], t["trial"]) == (0.2, 1))
     assert asked[before:] == [(0.2, last["key"])]  # only the trial the stopped run did not reach
     resumed = json.loads((out / "passkey.json").read_text())
@@ -211,7 +215,7 @@ def test_a_resumed_run_asks_only_the_rest_and_equals_an_unstopped_one(tiny_path,
     assert resumed["setup"]["seconds"] >= json.loads(stopped)["setup"]["seconds"]
     assert not (out / passkey.PARTIAL).exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        passkey.main(argv + ["--output", str(tmp_path / "none"), "--resume"])
+        cli.call(["eval", "passkey"] + argv + ["--output", str(tmp_path / "none"), "--resume"])
 
 
 def test_kept_trials_from_another_seed_are_refused():
@@ -334,10 +338,10 @@ def _stopped_run(tiny_path, out, monkeypatch, model=None, stop_after: int = 2, e
         *extra,
     ]
     if stop_after is None:
-        assert passkey.main(argv) == 0
+        assert cli.call(["eval", "passkey"] + argv) == 0
     else:
         with pytest.raises(KeyboardInterrupt):
-            passkey.main(argv)
+            cli.call(["eval", "passkey"] + argv)
     return asked
 
 
@@ -455,9 +459,9 @@ def test_longrope_takes_its_factor_lists_from_the_command_line_and_resumes(tiny_
     ]
     monkeypatch.setattr(passkey, "model_answerer", lambda *a, **k: answerer(stop_after=1))
     with pytest.raises(KeyboardInterrupt):
-        passkey.main(argv)
+        cli.call(["eval", "passkey"] + argv)
     monkeypatch.setattr(passkey, "model_answerer", answerer)
-    assert passkey.main(argv + ["--resume"]) == 0
+    assert cli.call(["eval", "passkey"] + argv + ["--resume"]) == 0
     assert sorted(asked) == [0.2, 0.8]  # each trial asked once: the resumed run only the one not kept
     setup = json.loads((tmp_path / "pk" / "passkey.json").read_text())["setup"]
     assert (setup["method"], setup["params"]["short_factor"], setup["params"]["long_factor"]) == ("longrope", short, long)

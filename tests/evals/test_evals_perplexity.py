@@ -258,19 +258,21 @@ def test_cli_writes_results_and_never_overwrites(tiny_path, tmp_path):
     out = tmp_path / "out"
     argv = ["--model", str(tiny_path), "--lengths", "128", "256", "--data", str(text), "--output", str(out), "--no-progress"]
     with pytest.warns(UserWarning, match="meant for 128"):
-        assert perplexity.main(argv) == 0
+        assert cli.call(["eval", "ppl"] + argv) == 0
     saved = (out / "ppl.json").read_text()
     assert {p.name for p in out.iterdir()} == {"ppl.json", "ppl.md", "ppl.png"}
     assert '"256"' in saved and "PPL by position" in (out / "ppl.md").read_text()
     with pytest.raises(FileExistsError, match="--overwrite"):
-        perplexity.main(argv)
+        cli.call(["eval", "ppl"] + argv)
     assert (out / "ppl.json").read_text() == saved
-    assert perplexity.main(argv + ["--method", "yarn", "--factor", "2", "--overwrite"]) == 0
+    assert cli.call(["eval", "ppl"] + argv + ["--method", "yarn", "--factor", "2", "--overwrite"]) == 0
     assert (out / "ppl.json").read_text() != saved
-    assert perplexity.main(argv + ["--method", "sink_window", "--factor", "4", "--chunk-size", "64", "--overwrite"]) == 0
+    assert (
+        cli.call(["eval", "ppl"] + argv + ["--method", "sink_window", "--factor", "4", "--chunk-size", "64", "--overwrite"]) == 0
+    )
     assert json.loads((out / "ppl.json").read_text())["setup"]["chunk_size"] == 64
     with pytest.raises(ValueError, match="--chunk-size must be an int"):
-        perplexity.main(argv + ["--chunk-size", "0", "--overwrite"])
+        cli.call(["eval", "ppl"] + argv + ["--chunk-size", "0", "--overwrite"])
 
 
 def test_progress_moves_during_one_forward(tiny_model, heldout_ids):
@@ -302,14 +304,14 @@ def test_a_checkpoint_saved_patched_is_evaluated_with_its_patch(tiny_model, tiny
     argv = ["--model", str(tmp_path / "ckpt"), "--lengths", "512", "--data", str(text), "--no-progress", "--overwrite"]
     runs = {}
     for name, extra in (("as loaded", []), ("named", ["--method", method, "--factor", "4"]), ("plain", ["--method", "plain"])):
-        assert perplexity.main(argv + extra + ["--output", str(tmp_path / name)]) == 0
+        assert cli.call(["eval", "ppl"] + argv + extra + ["--output", str(tmp_path / name)]) == 0
         runs[name] = json.loads((tmp_path / name / "ppl.json").read_text())
     assert runs["as loaded"]["setup"]["method"] == method and runs["as loaded"]["setup"]["patch"]["as_loaded"]
     assert runs["as loaded"]["setup"]["capacity"] == 512
     ppl = {name: run["lengths"]["512"]["ppl"] for name, run in runs.items()}
     assert ppl["as loaded"] == ppl["named"] and ppl["plain"] > 1.1 * ppl["named"]
     with pytest.raises(ValueError, match="need --method"):
-        perplexity.main(argv + ["--factor", "4", "--output", str(tmp_path / "x")])
+        cli.call(["eval", "ppl"] + argv + ["--factor", "4", "--output", str(tmp_path / "x")])
 
 
 def test_a_fine_tune_folder_is_evaluated_as_the_fine_tuned_model(tiny_model, tiny_tokenizer, tiny_path, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 import rope_ext
 from rope_ext import cli
-from rope_ext.evals import passkey, retrieval
+from rope_ext.evals import retrieval
 
 TRAINED = 128  # the tiny model's window
 
@@ -52,7 +52,7 @@ def run_passkey(tiny_path, out, *extra) -> dict:
         str(out),
         *extra,
     ]
-    assert passkey.main(argv) == 0
+    assert cli.call(["eval", "passkey"] + argv) == 0
     return json.loads((out / "passkey.json").read_text())
 
 

@@ -16,7 +16,8 @@ import transformers
 from transformers import LlamaForCausalLM
 
 import rope_ext
-from rope_ext.evals import compare, loading, output, passkey, perplexity
+from rope_ext import cli, loading
+from rope_ext.evals import output
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,8 +41,9 @@ def test_ppl_results_record_their_provenance(tiny_path, text_file, tmp_path):
     for method in (["--method", "plain"], ["--method", "yarn", "--factor", "2"]):  # two loads, one patched
         out = tmp_path / method[1]
         assert (
-            perplexity.main(
-                [
+            cli.call(
+                ["eval", "ppl"]
+                + [
                     "--model",
                     str(tiny_path),
                     "--lengths",
@@ -116,8 +118,9 @@ def test_config_hash_names_the_checkpoint_not_the_patch(tiny_path, tmp_path):
 
 def test_passkey_and_compare_results_record_their_provenance(tiny_path, text_file, tmp_path):
     assert (
-        passkey.main(
-            [
+        cli.call(
+            ["eval", "passkey"]
+            + [
                 "--model",
                 str(tiny_path),
                 "--lengths",
@@ -134,8 +137,9 @@ def test_passkey_and_compare_results_record_their_provenance(tiny_path, text_fil
         == 0
     )
     assert (
-        compare.main(
-            [
+        cli.call(
+            ["compare"]
+            + [
                 "--model",
                 str(tiny_path),
                 "--methods",

@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 import rope_ext
 from rope_ext import cli
 from rope_ext.geometry import RotaryGeometry
-from rope_ext.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, needles, read_log
-from rope_ext.search_space import build
+from rope_ext.tuning.search import BEST, CHECKPOINT, FIGURE, LOG, answer_loss, needles, read_log
+from rope_ext.tuning.search_space import build
 
 from helpers import cli_error_line, load_llama
 

@@ -1,4 +1,4 @@
-"""`rope-ext dpe-probe` (rope_ext.dpe_probe): the authors' detection of each dimension group's
+"""`rope-ext dpe-probe` (rope_ext.tuning.dpe_probe): the authors' detection of each dimension group's
 effective distance, on the tiny trained model: one group moved at a time with the others at the
 base scale, each setting's numbers those of the patch it names, the best scale per group the one
 that retrieves most, refusals before a model loads."""
@@ -10,9 +10,9 @@ from helpers import cli_error_line, load_llama
 
 import rope_ext
 from rope_ext import cli
-from rope_ext.dpe_probe import RESULT, TABLE
+from rope_ext.tuning.dpe_probe import RESULT, TABLE
 from rope_ext.method.dpe import group_distances
-from rope_ext.search import DEPTHS, answer_loss, needles
+from rope_ext.tuning.search import DEPTHS, answer_loss, needles
 
 
 def test_each_group_is_moved_alone_and_its_best_scale_is_reported(tiny_path, tiny_tokenizer, tmp_path):
@@ -68,7 +68,7 @@ def test_bad_arguments_are_refused_before_the_model_loads(no_model, tmp_path, ca
 
 def test_the_default_model_is_the_embedded_smollm2(no_model, tmp_path):
     """Without --model the probe runs on the embedded SmolLM2 (checked, not loaded here)."""
-    from rope_ext.dpe_probe import check
+    from rope_ext.tuning.dpe_probe import check
 
     args = cli.build_parser("dpe-probe").parse_args(["dpe-probe", "--factor", "4", "--output", str(tmp_path / "o")])
     assert args.model is None and args.groups == 8 and args.samples == 10

@@ -8,7 +8,7 @@ import torch
 
 import rope_ext
 from rope_ext import cli
-from rope_ext.evals import loading
+from rope_ext import loading
 from rope_ext.method import REGISTRY
 
 from helpers import assert_refused_unchanged, assert_saves_reloads_and_unpatches, cached_logits, ppl_past_window

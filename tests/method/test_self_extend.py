@@ -14,7 +14,7 @@ from transformers import DynamicCache
 import rope_ext
 from rope_ext.attention import parts as attention
 from rope_ext.attention import AttentionTransform
-from rope_ext.evals import loading
+from rope_ext import loading
 from rope_ext.method import attention_side, self_extend
 
 from helpers import WINDOW, assert_refused_unchanged, left_padded, random_ids, random_model, rotate, set_chain

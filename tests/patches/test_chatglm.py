@@ -20,7 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GlmForCausalLM
 
 import rope_ext
-from rope_ext.arguments import convert_chatglm as add_arguments
+from rope_ext.commands.convert_chatglm import add_arguments
 from rope_ext.patches.chatglm.convert import convert_chatglm, ratio_meaning_from_code, run
 from rope_ext.patches.chatglm.adapter import ChatGLMRotaryEmbedding, read_convention, reference_table
 

@@ -1,5 +1,5 @@
 """`rope-ext patch` from the config alone (issue #49): the patch proved on the checkpoint's small
-twin (rope_ext.twin) writes what a patch of the loaded model writes, the weights linked, never read;
+twin (rope_ext.export.twin) writes what a patch of the loaded model writes, the weights linked, never read;
 a 70B-shaped checkpoint patches in seconds in bounded memory; the override JSON it prints gives the
 written rope fields by the engines' own merge rules; every message is worded from one table of
 verdicts, with no transformers log line and no raw warning; bad input writes nothing."""
@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext import cli, record, serving
-from rope_ext.handoff import SGLANG, VLLM
+from rope_ext.export.handoff import SGLANG, VLLM
 
 # meta-llama/Llama-3.1-70B config.json as published at
 # https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json

@@ -1,5 +1,5 @@
 """`rope-ext patch MODEL.gguf OUT.gguf`: the metadata llama.cpp reads gives the patch's frequencies
-and attention factor (rope_ext.gguf_rope, restated from llama.cpp's source; tests/saving/
+and attention factor (rope_ext.export.gguf_rope, restated from llama.cpp's source; tests/saving/
 test_gguf_llama_cpp.py runs llama.cpp itself), every other tensor is copied byte for byte, and what
 llama.cpp cannot run is refused with nothing written."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import rope_ext
-from rope_ext import cli, gguf_rope
+from rope_ext import cli
+from rope_ext.export import gguf_rope
 from rope_ext.method.rope import ntk_base
 from rope_ext.patching import installed_rotary
 
@@ -74,7 +75,7 @@ def test_llama_cpp_reads_the_patch_rope_ext_installs(case, source, tmp_path):
     assert patch(source, out, method, "--factor", "4", *params) == 0
     inv_freq, attention = llama_cpp_reads(out)
 
-    kwargs = {k: rope_ext.evals.loading.parse_value(v) for k, _, v in (p.partition("=") for p in params[1::2])}
+    kwargs = {k: rope_ext.loading.parse_value(v) for k, _, v in (p.partition("=") for p in params[1::2])}
     model = random_model()
     info = rope_ext.patch(model, method, factor=4, original_window=WINDOW, **kwargs)
     expected, scale = installed_rotary(model).frequencies(info.max_length)

@@ -1,7 +1,7 @@
 """`rope-ext search`: one evolutionary search over position maps (docs/search.md), scaled down for
 a CPU, with LongRoPE2's needle-driven score.
 
-A candidate is a point of a search space (rope_ext.search_space): a method and the values of its
+A candidate is a point of a search space (rope_ext.tuning.search_space): a method and the values of its
 declared dimensions, such as longrope's per-pair `long_factor` (LongRoPE's space, the default),
 dpe's group `scales`, string's `shift`, and Llama 4's query temperature for a method that takes
 it. Its score is the mean cross-entropy of the answer tokens of passkey prompts at the target
@@ -36,13 +36,13 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 import rope_ext
-from rope_ext.arguments import DEFAULT_ROOT
+from rope_ext import loading
 from rope_ext.chunked import copy_prefix, new_cache
-from rope_ext.evals import loading, output
+from rope_ext.evals import output
 from rope_ext.evals.passkey import KEY_RANGE, build_prompt, shared_prefix, trial_key
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import as_size, check_factor
-from rope_ext.search_space import DPE_GROUPS, Space, build, check_temperature, names
+from rope_ext.tuning.search_space import DPE_GROUPS, Space, build, check_temperature, names
 
 LOG = "search.jsonl"
 RECORD_KEYS = ("evaluation", "generation", "origin", "loss")
@@ -277,7 +277,7 @@ def check(args: argparse.Namespace) -> Path:
     if args.temperature:
         check_temperature(args.space)
     loading.check_model(args.model, args.device)
-    folder = Path(args.output or Path(DEFAULT_ROOT) / f"search-{time.strftime('%Y%m%d-%H%M%S')}")
+    folder = Path(args.output or Path(output.DEFAULT_ROOT) / f"search-{time.strftime('%Y%m%d-%H%M%S')}")
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--output {folder} is a file, not a folder")
     log = folder / LOG

@@ -3,7 +3,7 @@ dimensions searched for it, with the seeds of its first generation.
 
 A candidate is a dict {dimension name: value}; the name is the patch parameter the value sets and
 the candidate's key in the search log. Each dimension keeps its values legal (bounds, grid,
-order), mutates them and crosses two of them over, so one evolution loop (rope_ext.search.Search)
+order), mutates them and crosses two of them over, so one evolution loop (rope_ext.tuning.search.Search)
 runs over any space. Lists cross over entry by entry; a scalar at its parents' midpoint, since
 picking one parent's value would only repeat a candidate already evaluated.
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import shlex
 
-from . import serving
-from .patching import PatchInfo
-from .record import CONFIG_KEY
+from rope_ext import serving
+from rope_ext.patching import PatchInfo
+from rope_ext.record import CONFIG_KEY
 
 VLLM, SGLANG = "vLLM 0.30-0.34", "SGLang 0.5.23"
 LONG_LENGTH_ENV = {VLLM: "VLLM_ALLOW_LONG_MAX_MODEL_LEN", SGLANG: "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"}
@@ -66,7 +66,7 @@ def rope_fields(config: dict) -> dict:
 
 def engines(twin, original, out: str, source: str) -> dict:
     """engine -> {verdict, serve, env, overrides, overrides_exact, overrides_verdict, overrides_serve}
-    for the patched `twin` (rope_ext.twin.Twin) of the checkpoint whose transformers config is
+    for the patched `twin` (rope_ext.export.twin.Twin) of the checkpoint whose transformers config is
     `original`, written to `out` from `source` (a folder or a hub id)."""
     info: PatchInfo = twin.info
     native = info.native is not None

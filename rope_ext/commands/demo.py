@@ -9,12 +9,28 @@ from __future__ import annotations
 import argparse
 
 from rope_ext.defaults import gutenberg_text
+from rope_ext.evals import output
+
+HELP = "SmolLM2 past its window: plain vs patched perplexity (offline)"
+RUNS = __name__
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--length", type=int, default=16384, help="tokens read in one forward (default 16384 = 2x the window)")
+    parser.add_argument("--methods", default="plain,ntk,yarn", help="comma-separated; plain = unpatched")
+    parser.add_argument("--factor", type=float, default=4.0, help="scale for every patched method (default 4)")
+    parser.add_argument("--bucket", type=int, default=2048, help="width of the position buckets in the table")
+    output.output_arguments(parser)
+
+
+def method_names(args: argparse.Namespace) -> list:
+    return [m.strip() for m in args.methods.split(",") if m.strip()]
 
 
 def check(args: argparse.Namespace):
     """(method specs as (label, method, factor), result folder): every argument checked before the
     model loads."""
-    from rope_ext.evals import loading, output
+    from rope_ext import loading
 
     if args.length < 2 or args.bucket < 1:
         raise ValueError(f"--length must be >= 2 and --bucket >= 1, got --length {args.length} --bucket {args.bucket}")
@@ -32,8 +48,8 @@ def check(args: argparse.Namespace):
 def run(args: argparse.Namespace, plan) -> int:
     import torch
 
+    from rope_ext import loading
     from rope_ext.defaults import load_smollm2
-    from rope_ext.evals import loading, output
     from rope_ext.evals.data import Document
     from rope_ext.evals.perplexity import evaluate
 

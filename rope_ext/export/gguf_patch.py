@@ -1,7 +1,7 @@
 """`rope-ext patch MODEL.gguf OUT.gguf --method M --factor F`: a GGUF file patched for llama.cpp.
 The patch is computed by rope-ext on a twin of the model (one layer, the file's rotary geometry and
 shipped scaling), written as llama.cpp's rope metadata and, where its own types do not express the
-frequencies, the `rope_freqs` tensor (rope_ext.gguf_rope, restated from llama.cpp's source); every
+frequencies, the `rope_freqs` tensor (rope_ext.export.gguf_rope, restated from llama.cpp's source); every
 other tensor is copied byte for byte. Before anything is written, the frequencies and attention
 factor llama.cpp computes from the new metadata are checked against the patch's."""
 
@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rope_ext import gguf_rope, serving
 from rope_ext import method as registry
-from rope_ext.evals.loading import apply_method, parse_params
+from rope_ext import serving
+from rope_ext.export import gguf_rope
+from rope_ext.loading import apply_method, parse_params
 from rope_ext.extras import require
 from rope_ext.method.base import as_size
 from rope_ext.patching import installed_rotary

@@ -1,25 +1,31 @@
-"""The model an eval command measures: load it, apply the requested rope-ext method, and know how
-many positions it is meant for."""
+"""Load a model and apply a method from arguments: the room the eval commands, `rope-ext patch`,
+`search`, `dpe-probe`, `demo` and the fine-tune's config share. It holds the words a command line
+gives for a model (`plain`, the dtypes, `auto`), the argument group that asks for one
+(`model_arguments`) and what turns those arguments into a patched model.
+
+The commands' parsers read this module before torch loads (every `--help` answers at once), so it
+imports the standard library and `rope_ext.defaults` at the top and the modules that load torch
+(the registry, the record, patching, chunked) in the functions that use them."""
 
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import rope_ext
-from rope_ext import method as registry
-from rope_ext.arguments import AUTO, DTYPES, PLAIN
-from rope_ext.chunked import chunking_refusal
-from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
+from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL  # the embedded checkpoint, where a name is expected
 from rope_ext.defaults import embedded_window
-from rope_ext.method.base import as_size  # the embedded checkpoint, where a name is expected
-from rope_ext.patching import installed_patch
-from rope_ext import record
-from rope_ext.record import Patch
+
+if TYPE_CHECKING:
+    from rope_ext.record import Patch
+
+PLAIN = "plain"  # the unpatched model
+DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # bfloat16 where the device computes it natively, else float32 (resolve_dtype)
+METHOD_HELP = "a method that `rope-ext methods` lists"
 
 
 def parse_value(text: str):
@@ -94,6 +100,8 @@ def load_model(name: str | None = None, dtype: str = AUTO, device: str | None = 
     import torch
     from transformers import AutoTokenizer
 
+    from rope_ext import record
+
     if dtype not in (AUTO, *DTYPES):
         raise ValueError(f"dtype must be one of {(AUTO, *DTYPES)}, got {dtype!r}")
     device = resolve_device(device)
@@ -161,6 +169,8 @@ def check_method(
     method: str | None, factor: float | None, params: dict | None = None, original_window: int | None = None
 ) -> None:
     """The checks of a method spec that need no model: the name, the factor and the parameters."""
+    from rope_ext import method as registry
+
     params = params or {}
     if method is None:
         if params or factor is not None or original_window is not None:
@@ -177,6 +187,8 @@ def check_method(
 
 def check_model(name: str | None, device: str | None) -> None:
     """--model and --device, checked before anything loads."""
+    from rope_ext import record
+
     if name not in (None, DEFAULT_MODEL):
         local = Path(name).expanduser()
         if (local / record.FINETUNE_FILE).is_file():
@@ -192,6 +204,8 @@ def check_model(name: str | None, device: str | None) -> None:
 def saved_patch(name: str | None) -> Patch | None:
     """The patch a local checkpoint (its config.json) or fine-tune folder records, read from its
     files before it loads; None for none."""
+    from rope_ext import record
+
     if name in (None, DEFAULT_MODEL):
         return None
     local = Path(name).expanduser()
@@ -209,79 +223,20 @@ def saved_patch(name: str | None) -> Patch | None:
 
 def patched(model) -> Patch | None:
     """The patch on the model, or None for an unpatched or unsupported model."""
+    from rope_ext.patching import installed_patch
+
     try:
         return installed_patch(model)
     except ValueError:
         return None
 
 
-def capacity(model) -> tuple[int, str]:
-    """(positions the model is meant for, a phrase saying why): a patch's max_length, else the
-    config's max_position_embeddings."""
-    applied = patched(model)
-    if applied is not None:
-        return applied.max_length, f"{applied.method} x{applied.factor:g} of its {applied.original_window}-token window"
-    config = model.config
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_length", None)
-    if limit is None:
-        raise ValueError(f"{type(model).__name__}: the config states no max_position_embeddings")
-    return int(limit), "unpatched"
-
-
-def warn_beyond_capacity(model, positions: int, what: str) -> bool:
-    """Warn when `positions` exceed what the model is meant for; True when it did."""
-    limit, why = capacity(model)
-    if positions <= limit:
-        return False
-    remedy = "patch it with a method and a factor" if patched(model) is None else "raise the factor"
-    warnings.warn(
-        f"{what} needs {positions} positions but the model ({why}) is meant for {limit}: "
-        f"results past that point may break ({remedy})",
-        stacklevel=2,
-    )
-    return True
-
-
-def model_label(model) -> str:
-    """A short name for tables and plots: the checkpoint folder's name or the hub id."""
-    return name_label(getattr(model.config, "_name_or_path", None) or type(model).__name__)
-
-
-def name_label(name: str) -> str:
-    """model_label of a model loaded from `name`."""
-    return Path(name).name if Path(name).is_absolute() else name
-
-
-def describe_setup(model, info, method: str, params: dict, chunk_size: int | None = None) -> dict:
-    """The model-and-method record every result file carries. With `method` None (the model as
-    loaded), the patch the checkpoint came with, if any (`patch` then holds rope_ext.describe's
-    record, with its original_window and "as_loaded": true)."""
-    limit, why = capacity(model)
-    patch = None if info is None else info.to_dict()
-    factor = None if info is None else info.factor
-    params = params if info is None else dict(info.params)
-    if method is None:
-        applied = patched(model)
-        method = PLAIN if applied is None else applied.method
-        if applied is not None:
-            factor, params = applied.factor, dict(applied.params)
-            patch = {**applied.described(), "original_window": applied.original_window, "as_loaded": True}
-    return {
-        "model": model_label(model),
-        "method": method,
-        "factor": factor,
-        "params": params,
-        "patch": patch,
-        "capacity": limit,
-        "capacity_note": why,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "chunk_size": chunk_size,
-    }
-
-
 def check_chunking(method: str | None, factor, params: dict) -> None:
     """ValueError when the method spec scales an input as a whole, so that --chunk-size cannot
     give its numbers (rope_ext.chunked.chunking_refusal); for a spec check_method passed."""
+    from rope_ext import method as registry
+    from rope_ext.chunked import chunking_refusal
+
     if method in (None, PLAIN):
         return
     spec, _, checked = registry.check(method, factor, params)
@@ -290,27 +245,67 @@ def check_chunking(method: str | None, factor, params: dict) -> None:
         raise ValueError(f"--chunk-size: {reason}")
 
 
-def checkpoint_digest(model) -> str:
-    """The first 16 hex digits of a sha256 over the model's config (without the path it was
-    loaded from and the transformers version) and every parameter's name, dtype, shape and bytes:
-    what tells two checkpoints apart when their folders share a name. The same checkpoint, dtype
-    and patch give the same digest on any device."""
-    import torch
-
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version"):
-        config.pop(volatile, None)
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode("utf-8"))
-    for name, parameter in model.named_parameters():
-        digest.update(f"{name}:{parameter.dtype}:{tuple(parameter.shape)}".encode("utf-8"))
-        data = parameter.detach().reshape(-1).contiguous().cpu()
-        digest.update(data.view(torch.uint8).numpy().data)
-    return digest.hexdigest()[:16]
+def model_arguments(parser, *, method: bool = True) -> None:
+    """--model/--dtype/--device/--attn-implementation/--chunk-size, and with `method` also
+    --method/--factor/--param/--original-window."""
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH_OR_ID",
+        help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)",
+    )
+    group.add_argument(
+        "--dtype",
+        default=AUTO,
+        choices=(AUTO, *DTYPES),
+        help="weights and activations dtype; auto: bfloat16 on a CPU with native bf16 dot products "
+        "(AVX512-BF16 or AMX) or a CUDA GPU with bf16, else float32; rotary angles stay fp32 "
+        "(default: auto; results record the dtype)",
+    )
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
+    group.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
+        "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
+        "(default: one forward per input)",
+    )
+    if method:
+        group.add_argument(
+            "--method",
+            default=None,
+            help=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
+            "patched, or a fine-tune folder, keeps its patch; the embedded SmolLM2 is unpatched)",
+        )
+        group.add_argument(
+            "--factor", type=float, default=None, help="scale relative to the original window (required unless plain)"
+        )
+        group.add_argument(
+            "--param",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false; a list as "
+            "--param long_factor=[1.0,1.5,2.0], as longrope takes)",
+        )
+        group.add_argument(
+            "--original-window",
+            type=int,
+            default=None,
+            help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
+            "patch extends the model as loaded)",
+        )
 
 
 def check_model_args(args) -> dict:
-    """The method parameters of the arguments rope_ext.arguments.model_arguments added, after checking every one
-    of them; call it before model_from_args."""
+    """The method parameters of the arguments model_arguments added, after checking every one of them;
+    call it before model_from_args."""
+    from rope_ext.method.base import as_size
+
     params = parse_params(args.param)
     check_method(args.method, args.factor, params, args.original_window)
     if args.original_window is not None:

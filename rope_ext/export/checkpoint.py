@@ -1,8 +1,8 @@
 """`rope-ext patch MODEL OUT --method M --factor F`: the checkpoint MODEL patched without loading its
-weights. The patch is proved on the checkpoint's small twin (rope_ext.twin); OUT gets config.json
+weights. The patch is proved on the checkpoint's small twin (rope_ext.export.twin); OUT gets config.json
 (the checkpoint's own with the patch written in), generation_config.json, the tokenizer files with
 `model_max_length` = the length the patch is meant for, README.md (a model card with the serving
-commands, rope_ext.handoff), and the weight files linked (a hard link, else a symbolic one; copied
+commands, rope_ext.export.handoff), and the weight files linked (a hard link, else a symbolic one; copied
 with --copy-weights), never rewritten. It prints the base, what each reader serves and the commands
 (--json: all of it as one object).
 
@@ -22,8 +22,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from rope_ext import defaults, record
+from rope_ext import defaults, record, serving
 from rope_ext import method as registry
+from rope_ext.export import handoff
+from rope_ext.export.twin import patch_twin, read_config
+from rope_ext.loading import parse_params
 from rope_ext.method.base import as_size
 
 # weight files: linked or copied, never read
@@ -80,7 +83,6 @@ def check_folder(folder: Path, name: str) -> None:
         )
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"MODEL {name}: {folder} holds no config.json (a checkpoint folder holds one)")
-    from rope_ext.twin import read_config
 
     read_config(folder)  # a model type transformers knows, or the reason no twin can be built
 
@@ -103,8 +105,6 @@ def hub_snapshot(repo: str) -> Path:
 
 def check(args: argparse.Namespace) -> Plan:
     """The destination, the method spec and MODEL, before anything is written."""
-    from rope_ext.evals.loading import parse_params
-
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder; choose a new folder")
@@ -193,9 +193,6 @@ def base_model(args, plan: Plan) -> str:
 
 
 def run(args: argparse.Namespace, plan: Plan) -> int:
-    from rope_ext import handoff, serving
-    from rope_ext.twin import patch_twin, read_config
-
     with warnings.catch_warnings(record=True) as caught, record.unlisted_keys_quiet():
         warnings.simplefilter("always")
         twin = patch_twin(
@@ -254,8 +251,6 @@ def run(args: argparse.Namespace, plan: Plan) -> int:
 
 
 def print_report(report: dict, found: dict) -> None:
-    from rope_ext import handoff, serving
-
     base = report["starts_from"]
     scaling = f"its shipped {base['scaling']} scaling" if base["scaling"] else "the trained frequencies"
     weights = report["files"]["weights"]

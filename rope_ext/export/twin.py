@@ -38,9 +38,9 @@ from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PreTrainedConfig
 
-from . import record
-from .patching import PatchInfo, installed_rotary, patch
-from .saving import causal_lm_class_of
+from rope_ext import record
+from rope_ext.patching import PatchInfo, installed_rotary, patch
+from rope_ext.saving import causal_lm_class_of
 
 TWIN_VOCAB = 128
 TWIN_HIDDEN = 64

@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from rope_ext.evals import loading, output
+from rope_ext import loading
+from rope_ext.evals import output
 from rope_ext.evals.retrieval import counts
 from rope_ext.method.base import as_size, check_factor
 from rope_ext.method.dpe import NAME as DPE
 from rope_ext.method.dpe import group_distances
-from rope_ext.search import DEPTHS, Needle, needles
+from rope_ext.tuning.search import DEPTHS, Needle, needles
 
 RESULT = "dpe_probe.json"
 TABLE = "dpe_probe.md"
