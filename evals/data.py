@@ -181,12 +181,9 @@ def data_arguments(parser) -> None:
     group.add_argument("--data-split", default="test", help="split of a `datasets` source (default: test)")
     group.add_argument("--data-field", default="text", help="text field of a `datasets` or JSONL source (default: text)")
     group.add_argument("--min-tokens", type=int, default=0, help="skip documents shorter than this many tokens")
-    group.add_argument("--limit", type=int, default=None, help="use at most this many documents (after --min-tokens)")
+    group.add_argument("--limit", type=int, help="use at most this many documents (after --min-tokens)")
     group.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="with --limit: pick the documents at random with this seed instead of the first ones",
+        "--seed", type=int, help="with --limit: pick the documents at random with this seed instead of the first ones"
     )
 
 

@@ -21,9 +21,7 @@ DEFAULT_ROOT = "rope-ext-results"
 
 def output_arguments(parser) -> None:
     group = parser.add_argument_group("output")
-    group.add_argument(
-        "--output", default=None, metavar="DIR", help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)"
-    )
+    group.add_argument("--output", metavar="DIR", help=f"folder for the results (default: {DEFAULT_ROOT}/<command>-<time>)")
     group.add_argument("--overwrite", action="store_true", help="replace result files that already exist in --output")
     group.add_argument("--no-progress", action="store_true", help="hide progress bars")
 

@@ -251,7 +251,6 @@ def model_arguments(parser, *, method: bool = True) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
-        default=None,
         metavar="PATH_OR_ID",
         help=f"local checkpoint directory or hub id (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)",
     )
@@ -263,42 +262,40 @@ def model_arguments(parser, *, method: bool = True) -> None:
         "(AVX512-BF16 or AMX) or a CUDA GPU with bf16, else float32; rotary angles stay fp32 "
         "(default: auto; results record the dtype)",
     )
-    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
+    group.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu)")
     group.add_argument("--attn-implementation", default="sdpa", help="transformers attention backend (default: sdpa)")
     group.add_argument(
         "--chunk-size",
         type=int,
-        default=None,
         metavar="N",
         help="run each input through the KV cache N tokens at a time (rope_ext.chunked): memory holds "
         "the cache and one chunk; with sink_window the cache keeps only the sinks and the window "
         "(default: one forward per input)",
     )
     if method:
-        group.add_argument(
-            "--method",
-            default=None,
-            help=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
+        method_arguments(
+            group,
+            method=f"{METHOD_HELP}, or plain (unpatched) (default: the model as loaded: a checkpoint saved "
             "patched, or a fine-tune folder, keeps its patch; the embedded SmolLM2 is unpatched)",
-        )
-        group.add_argument(
-            "--factor", type=float, default=None, help="scale relative to the original window (required unless plain)"
-        )
-        group.add_argument(
-            "--param",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false; a list as "
+            factor="scale relative to the original window (required unless plain)",
+            param="extra method parameter, repeatable (e.g. --param beta_fast=16 --param causal=false; a list as "
             "--param long_factor=[1.0,1.5,2.0], as longrope takes)",
         )
-        group.add_argument(
-            "--original-window",
-            type=int,
-            default=None,
-            help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
-            "patch extends the model as loaded)",
-        )
+
+
+def method_arguments(group, *, method: str, factor: str, param: str, window: str = "", required: bool = False) -> None:
+    """--method, --factor, --param and --original-window: a method spec as the commands that patch a
+    model take it (model_arguments, `rope-ext patch`), each help in the command's words (`window`
+    ends --original-window's default)."""
+    group.add_argument("--method", required=required, help=method)
+    group.add_argument("--factor", type=float, help=factor)
+    group.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help=param)
+    group.add_argument(
+        "--original-window",
+        type=int,
+        help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
+        f"patch extends the model as loaded{window})",
+    )
 
 
 def check_model_args(args) -> dict:

@@ -15,24 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=None,
         metavar="SPEC",
         help="methods to compare: METHOD or METHOD:KEY=VALUE[,KEY=VALUE], 'plain' = unpatched "
         "(default: plain and every method `rope-ext methods` lists)",
     )
     parser.add_argument(
-        "--lengths",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="evaluation lengths (default: window/2, window, 2 x window)",
+        "--lengths", type=int, nargs="+", metavar="N", help="evaluation lengths (default: window/2, window, 2 x window)"
     )
     parser.add_argument(
-        "--factor",
-        type=float,
-        default=None,
-        help="factor for every patched method (default: longest length / window, at least 2)",
+        "--factor", type=float, help="factor for every patched method (default: longest length / window, at least 2)"
     )
     parser.add_argument(
         "--param",
@@ -42,33 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a parameter for one method, repeatable (e.g. dynamic:granularity=512)",
     )
     parser.add_argument(
-        "--stride",
-        type=int,
-        default=None,
-        help="slide windows over whole documents with this stride (default: first L tokens only)",
+        "--stride", type=int, help="slide windows over whole documents with this stride (default: first L tokens only)"
     )
     parser.add_argument(
-        "--bucket",
-        type=int,
-        default=None,
-        help="width of the position buckets of the longest length (default: longest length / 8)",
+        "--bucket", type=int, help="width of the position buckets of the longest length (default: longest length / 8)"
     )
     parser.add_argument(
-        "--bos",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="BOS at the start of every window (default: as the tokenizer does)",
+        "--bos", action=argparse.BooleanOptionalAction, help="BOS at the start of every window (default: as the tokenizer does)"
     )
     parser.add_argument(
         "--passkey-depths", type=float, nargs="+", default=[0.5], metavar="D", help="passkey key depths (default: 0.5)"
     )
     parser.add_argument(
-        "--passkey-lengths",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="passkey prompt lengths (default: every --lengths)",
+        "--passkey-lengths", type=int, nargs="+", metavar="N", help="passkey prompt lengths (default: every --lengths)"
     )
     parser.add_argument("--passkey-trials", type=int, default=1, help="passkey trials per (length, depth) (default: 1)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="passkey answer tokens (default: 10)")
@@ -76,22 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ruler-samples",
         type=int,
-        default=None,
         metavar="K",
         help="add a RULER column through lm-eval: K of the 500 samples RULER builds per length, for "
         "every method (default: no RULER; needs rope-ext[ruler])",
     )
     parser.add_argument(
-        "--ruler-task",
-        default=None,
-        metavar="TASK",
-        help="which RULER task (default: niah_single_1, whose filler needs no download)",
+        "--ruler-task", metavar="TASK", help="which RULER task (default: niah_single_1, whose filler needs no download)"
     )
     parser.add_argument(
         "--ruler-lengths",
         type=int,
         nargs="+",
-        default=None,
         metavar="N",
         help="RULER lengths: prompt plus answer budget, as RULER counts them (default: every --lengths)",
     )

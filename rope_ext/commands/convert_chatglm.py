@@ -18,11 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rope-ratio-meaning",
         choices=ROPE_RATIO_MEANINGS,
-        default=None,
         help="what rope_ratio does when the checkpoint's modeling file does not say: 'base' (ChatGLM3-6B-32K, "
         "GLM-4: base = 10000 * rope_ratio) or 'positions' (ChatGLM2-6B-32K: positions / rope_ratio)",
     )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights (default: the source's)"
-    )
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written weights (default: the source's)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest weight file written (default 5GB)")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from rope_ext.commands.search import needle_prompt_arguments
-from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
+from rope_ext.commands.search import needle_prompt_arguments, target_arguments
 from rope_ext.evals import output
 
 HELP = "DPE's probe of each dimension group's effective distance: one group's scale moved at a time, needles answered"
@@ -13,29 +12,19 @@ RUNS = "rope_ext.tuning.dpe_probe"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH_OR_ID",
-        help=f"the checkpoint to probe (default: {DEFAULT_MODEL}, the embedded SmolLM2-135M)",
-    )
-    parser.add_argument("--factor", type=float, required=True, help="target length over the trained window (> 1)")
+    target_arguments(parser, "the checkpoint to probe")
     parser.add_argument(
         "--groups", type=int, default=8, help="groups of frequency pairs, fastest first (default 8, the authors')"
     )
     parser.add_argument(
-        "--base",
-        type=int,
-        default=None,
-        help="the scale of the groups not being moved (default: 2 x length / trained window, the authors')",
+        "--base", type=int, help="the scale of the groups not being moved (default: 2 x length / trained window, the authors')"
     )
     parser.add_argument(
         "--candidates",
-        default=None,
         metavar="S1,S2,...",
         help="the scales each group is tried at (default: the base x 1/16, 1/4, 1/2, 1, 2, 4, 16, whole numbers >= 1)",
     )
-    parser.add_argument("--window", type=int, default=None, help="dpe's local window W (default: the trained window / 8)")
+    parser.add_argument("--window", type=int, help="dpe's local window W (default: the trained window / 8)")
     parser.add_argument(
         "--inside-window",
         action="store_true",

@@ -14,12 +14,7 @@ RUNS = "rope_ext.evals.passkey"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--lengths",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="N",
-        help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)",
+        "--lengths", type=int, nargs="+", metavar="N", help="prompt lengths in tokens (default: capacity/4, capacity/2, capacity)"
     )
     parser.add_argument(
         "--depths",
@@ -39,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seeds of the keys: each (length, depth) cell is asked once per seed and trial (default: 0 1)",
     )
     parser.add_argument("--trials", type=int, default=1, help="trials per (length, depth, seed) cell (default: 1)")
-    parser.add_argument("--limit", type=int, default=None, help="run at most this many trials in all (every length first)")
+    parser.add_argument("--limit", type=int, help="run at most this many trials in all (every length first)")
     parser.add_argument("--max-new-tokens", type=int, default=10, help="greedy tokens generated per answer (default: 10)")
     parser.add_argument(
         "--share-prefix",
@@ -54,7 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--baseline",
-        default=None,
         metavar="PATH",
         help="passkey.json (or its folder) of the unpatched model at its trained window with the same depths, "
         "trials and seeds: adds the retained retrieval, accuracy / the baseline's",

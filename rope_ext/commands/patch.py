@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from rope_ext.defaults import SMOLLM2 as DEFAULT_MODEL
-from rope_ext.loading import METHOD_HELP
+from rope_ext.loading import METHOD_HELP, method_arguments
 
 HELP = "write a patched checkpoint from its config alone (weights linked) and the commands that serve it"
 RUNS = "rope_ext.export.checkpoint"
@@ -24,21 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="OUT",
         help="new (or empty) folder for the patched checkpoint (weights linked, not copied); a new .gguf file for a .gguf MODEL",
     )
-    parser.add_argument("--method", required=True, help=METHOD_HELP)
-    parser.add_argument("--factor", type=float, default=None, help="scale relative to the window the patch extends")
-    parser.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="method parameter, repeatable (e.g. --param beta_fast=16; a list as --param long_factor=[1.0,1.5])",
-    )
-    parser.add_argument(
-        "--original-window",
-        type=int,
-        default=None,
-        help="the pretraining window: the method replaces the checkpoint's shipped scaling over it (default: the "
-        "patch extends the model as loaded, from its shipped scaling and the context it serves)",
+    method_arguments(
+        parser,
+        method=METHOD_HELP,
+        factor="scale relative to the window the patch extends",
+        param="method parameter, repeatable (e.g. --param beta_fast=16; a list as --param long_factor=[1.0,1.5])",
+        window=", from its shipped scaling and the context it serves",
+        required=True,
     )
     parser.add_argument(
         "--allow-shrink", action="store_true", help="accept a patch meant for fewer tokens than the checkpoint serves"

@@ -16,15 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lengths", type=int, nargs="+", required=True, metavar="N", help="window lengths in tokens (e.g. 4096 8192 16384)"
     )
     parser.add_argument(
-        "--stride",
-        type=int,
-        default=None,
-        help="tokens between window starts (default: the length, non-overlapping; YaRN used 256)",
+        "--stride", type=int, help="tokens between window starts (default: the length, non-overlapping; YaRN used 256)"
     )
     parser.add_argument(
         "--bos",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="feed BOS at the start of every window (default: as the tokenizer does)",
     )
     parser.add_argument(
@@ -32,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="cut each document to its first LENGTH tokens: one window per document (YaRN's --truncate)",
     )
-    parser.add_argument("--bucket", type=int, default=None, help="width of the position buckets (default: max length / 8)")
+    parser.add_argument("--bucket", type=int, help="width of the position buckets (default: max length / 8)")
     loading.model_arguments(parser)
     data.data_arguments(parser)
     output.output_arguments(parser)

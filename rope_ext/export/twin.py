@@ -254,19 +254,12 @@ def merged(written: dict, changed: dict, subs) -> dict:
     return out
 
 
-def patch_config(
-    config_or_folder,
-    method: str,
-    factor: float | None = None,
-    *,
-    original_window: int | None = None,
-    allow_shrink: bool = False,
-    **params,
-) -> tuple[dict, PatchInfo]:
+def patch_config(config_or_folder, method: str, factor: float | None = None, **patch_arguments) -> tuple[dict, PatchInfo]:
     """(config.json of the patched checkpoint, PatchInfo) for a checkpoint given by its folder, its
     config.json, a dict of it or a transformers config: what `rope_ext.patch` on the loaded model
     writes to config.json, found without the weights (on the checkpoint's small twin, module
-    docstring). Every other field of the checkpoint's config.json stays as shipped. Raises
+    docstring). `patch_arguments` are patch_twin's (`original_window`, `allow_shrink` and the
+    method's parameters). Every other field of the checkpoint's config.json stays as shipped. Raises
     ValueError, writing nothing, where `patch` would, or where no twin can be built."""
-    twin = patch_twin(config_or_folder, method, factor, original_window=original_window, allow_shrink=allow_shrink, **params)
+    twin = patch_twin(config_or_folder, method, factor, **patch_arguments)
     return twin.config, twin.info
