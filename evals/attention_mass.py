@@ -125,10 +125,10 @@ def run_prompts(model, tokenizer, length: int, depths, seed: int, near: int, bin
         spans = passkey_spans(tokenizer, prompt, near, bins)
         with torch.no_grad():
             with mass_probe(model, list(spans.values())) as found:
-                logits = model(torch.tensor([prompt.ids[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = model(torch.tensor([prompt.ids[-1:]]), cache=cache, use_cache=True).logits[0, -1]
             answer = [int(logits.argmax())]
             for _ in range(new_tokens - 1):
-                logits = model(torch.tensor([answer[-1:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = model(torch.tensor([answer[-1:]]), cache=cache, use_cache=True).logits[0, -1]
                 answer.append(int(logits.argmax()))
         text = tokenizer.decode(answer, skip_special_tokens=True)
         masses = torch.stack([found[layer] for layer in sorted(found)])  # [layers, heads, parts]

@@ -129,7 +129,7 @@ def answer_loss(model, prompts: list[Needle]) -> float:
             cache = copy_prefix(model, kept[1], start)
         elif share:
             cache = new_cache(model)
-        out = model(ids[:, start:], past_key_values=cache, use_cache=cache is not None, logits_to_keep=needle.answer + 1)
+        out = model(ids[:, start:], cache=cache, use_cache=cache is not None, logits_to_keep=needle.answer + 1)
         if share and kept is None:
             kept = (needle.ids[0].tolist(), cache)
         losses[index] = F.cross_entropy(out.logits[0, :-1].float(), ids[0, -needle.answer :]).item()

@@ -43,10 +43,10 @@ def test_under_a_patch_the_masses_partition_one_and_the_forward_is_unchanged(tin
         with torch.no_grad():
             if probe:
                 with mass_probe(model, SPANS) as found:
-                    last = model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]
+                    last = model(prompt[:, -1:], cache=cache, use_cache=True).logits[0, -1]
             else:
-                found, last = None, model(prompt[:, -1:], past_key_values=cache, use_cache=True).logits[0, -1]
-            after = model(last.argmax()[None, None], past_key_values=cache, use_cache=True).logits[0, -1]
+                found, last = None, model(prompt[:, -1:], cache=cache, use_cache=True).logits[0, -1]
+            after = model(last.argmax()[None, None], cache=cache, use_cache=True).logits[0, -1]
         return found, last, after
 
     found, last, after = decode(probe=True)
