@@ -527,11 +527,6 @@ class Method:
     def load_state(self, model, path, params: dict) -> None:
         pass
 
-    def stale_record(self, params: dict) -> str | None:
-        """Why a patch record's `params` (config.rope_ext) cannot be re-applied, when they were
-        written while the method computed something else; None when they can."""
-        return None
-
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
         if not self.follows_length or self.window_step or not params.get("causal", True):
             return {}

@@ -223,23 +223,13 @@ class DualChunkMethod(AttentionMethod):
     transform: ClassVar[type] = DualChunkAttention
     chooses_keys: ClassVar[bool] = True
 
-    def stale_record(self, params: dict) -> str | None:
-        if "temperature" in params:
-            return None
-        return (
-            "dca was recorded by a rope-ext that clamped the successive- and inter-chunk query positions at "
-            "chunk_size - 1 (the paper's figure); dca now computes the released code's maps (min(i mod s + s, c), "
-            "min(2s - 1, c)) and Qwen's temperature, which would change this checkpoint's logits: patch the base "
-            "model again with dca (docs/dca.md)"
-        )
-
     def by_forward(self, params: dict) -> str | None:
         # without the temperature (False; None is decided by the model's config) n plays no part
         if params.get("causal", True) is False and params.get("temperature") is not False:
             return "takes n, the length of Qwen's temperature, from each forward (the engines' prefill takes the whole prompt's)"
         return None
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
         stated = stated_sizes(facts.config.get(CONFIG_KEY))
         chunk = params["chunk_size"] or stated.get("chunk_size") or trained

@@ -96,7 +96,7 @@ class DpeMethod(TwoPartMethod):
 
     grouped: ClassVar[bool] = True
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained, pairs = geometry.original_window, geometry.rotary_dim // 2
         window = max(1, trained // WINDOW_FRACTION) if params["window"] is None else params["window"]
         if window >= trained:

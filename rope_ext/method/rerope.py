@@ -121,7 +121,7 @@ class ReRoPEMethod(TwoPartMethod):
     positions: keys at j / k and queries at i / k + w - w / k (fp32, fractional), or keys at 0 and
     queries at w for ReRoPE."""
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
         changing nothing, when they do not fit the model's window."""
         trained = geometry.original_window

@@ -172,7 +172,7 @@ class SelfExtendMethod(TwoPartMethod):
     """SelfExtend's group and window, with the grouped positions as the two-part engine's distant
     positions."""
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with group, window and the group_rule that chose the group filled in) for
         this model; ValueError, changing nothing, when they do not fit its window. A group the
         caller gives that breaks the authors' rule warns."""
@@ -199,7 +199,7 @@ class SelfExtendMethod(TwoPartMethod):
                     f"({picked}); give group or group_rule, not both"
                 )
         if rule is None and not follows_rule(trained, target, group, window):
-            warnings.warn(rule_warning(trained, target, group, window), UserWarning, stacklevel=4)
+            warnings.warn(rule_warning(trained, target, group, window), UserWarning, stacklevel=3)
         return float(factor), {**params, "group": group, "window": window, "group_rule": rule}
 
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:

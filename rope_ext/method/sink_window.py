@@ -229,7 +229,7 @@ class SinkWindowMethod(AttentionMethod):
     transform: ClassVar[type] = SinkWindowAttention
     chooses_keys: ClassVar[bool] = True
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained, sinks = geometry.original_window, params["sinks"]
         if sinks >= trained:
             raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")

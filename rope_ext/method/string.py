@@ -74,7 +74,7 @@ class StringMethod(TwoPartMethod):
 
     distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
         factor = 1.0 if factor is None else float(factor)
         target = math.ceil(trained * factor)

@@ -174,12 +174,11 @@ def test_the_parameters_a_method_requires_are_the_ones_its_params_declare():
 
 
 def test_no_method_checks_its_parameters_in_code_of_its_own():
-    """A method's parameters are Params and constraints, checked by Method.validate; AttentionMethod
-    only drops the schedule old records hold (records' compatibility) before it."""
-    from rope_ext.method.attention_side import AttentionMethod
+    """A method's parameters are Params and constraints, checked by Method.validate alone (what old
+    records hold is read in today's terms where records are read, rope_ext.record.migrated)."""
     from rope_ext.method.base import Method
 
-    assert {type(m).validate for m in methods.REGISTRY.values()} == {Method.validate, AttentionMethod.validate}
+    assert {type(m).validate for m in methods.REGISTRY.values()} == {Method.validate}
     assert all(type(m).accept_factor is Method.accept_factor for m in methods.REGISTRY.values())
 
 
