@@ -50,9 +50,10 @@ the other, the one place that decides whether a method runs on a model, with the
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -229,6 +230,15 @@ class Param:
             preset = f" or a preset ({', '.join(presets)})" if presets else ""
             raise ValueError(f"{method}: {name} must be {accepted}{why}{preset}, got {value!r}")
         return sorted(items) if self.sort else items
+
+
+def with_defaults(fn: FrequencyFn, *params: Param) -> tuple[Param, ...]:
+    """`params` with the defaults the frequency function `fn` states for its keyword parameters:
+    a default is written once, in the function that computes with it."""
+    stated = {
+        name: p.default for name, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty
+    }
+    return tuple(replace(p, default=stated[p.name], nullable=None) if p.name in stated else p for p in params)
 
 
 def _shown(bound) -> str:
