@@ -56,7 +56,7 @@ ATTRIBUTE = "rope_ext_alibi"  # the per-layer slopes module; also peft's modules
 MAX_SLOPE_SCALE = 1e6
 PARAMS = (
     Param("rope", "ntk", "choice", choices=tuple(ROPE_METHODS), nullable=True, doc="the rotary method; None: plain RoPE"),
-    Param("w", None, "size", lo=0, none="the original window", doc="the bias-free distance, in tokens"),
+    Param("w", None, "size", lo=0, doc="the bias-free distance, in tokens"),
     Param(
         "heads",
         None,
@@ -64,7 +64,6 @@ PARAMS = (
         item=Param("head", kind="size", lo=0),
         distinct=True,
         sort=True,
-        none="all heads",
         doc="head indices",
     ),
     Param("slope_scale", 1.0, "float", lo=0, lo_open=True, hi=MAX_SLOPE_SCALE, doc="multiplies every slope"),

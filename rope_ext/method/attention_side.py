@@ -35,6 +35,7 @@ from rope_ext.geometry import RotaryGeometry
 
 from .base import FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
 
+
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
     """The model's own frequencies, for methods that change attention rather than the rotation."""
     return default_inv_freq(geom), 1.0

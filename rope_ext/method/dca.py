@@ -68,8 +68,8 @@ from .stated import CONFIG_KEY, stated_sizes
 NAME = "dca"
 # chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
 PARAMS = (
-    Param("chunk_size", None, "size", lo=2, none="the default", doc="c: the chunk, at most the trained window"),
-    Param("local_size", None, "size", lo=1, none="the default", doc="local: c - local is the chunk's stride s"),
+    Param("chunk_size", None, "size", lo=2, doc="c: the chunk, at most the trained window"),
+    Param("local_size", None, "size", lo=1, doc="local: c - local is the chunk's stride s"),
     Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
 )
 SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax, Qwen's length temperature"

@@ -77,7 +77,7 @@ PARAMS = (
         presets=tuple(PRESETS.items()),
         doc="one per group of frequency pairs",
     ),
-    Param("window", None, "size", lo=1, none="the default", doc="W: keys within W tokens keep their positions"),
+    Param("window", None, "size", lo=1, doc="W: keys within W tokens keep their positions"),
     Param("inside_window", False, "bool", doc="queries inside the trained window attend in two parts too"),
 )
 

@@ -64,16 +64,14 @@ SUMMARY = "ReRoPE / Leaky ReRoPE: exact distances inside a window, w + (d - w)/k
 FORMULA = "i-j < w: distance i-j; else w + (i-j-w)/k (leak k), or w (ReRoPE, leak None); one softmax"
 AUTO = "auto"  # leak: the smallest integer leak that reaches the factor
 PARAMS = (
-    Param("window", None, "size", lo=1, none="the default", doc="w: distances below it are exact"),
+    Param("window", None, "size", lo=1, doc="w: distances below it are exact"),
     Param(
         "leak",
         None,
         lo=1,
         lo_open=True,
         hi=MAX_FACTOR,
-        none="ReRoPE",
         words=(AUTO,),
-        phrase="a finite number {lower} and {upper}",
         doc="leak=None is ReRoPE, the limit of a large leak",
     ),
 )

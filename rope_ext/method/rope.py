@@ -232,7 +232,7 @@ _YARN_PARAMS = with_defaults(
 )
 _YARN_ORDER = (Ordered(("beta_fast", "beta_slow")),)
 # the cos and sin scale that replaces YaRN's temperature, where given; it scales logits by its square
-ATTENTION_FACTOR = Param("attention_factor", None, lo=0, lo_open=True, hi=MAX_ATTENTION_FACTOR, phrase="in {interval}")
+ATTENTION_FACTOR = Param("attention_factor", None, lo=0, lo_open=True, hi=MAX_ATTENTION_FACTOR)
 
 METHODS = [
     RopeMethod(
@@ -326,7 +326,6 @@ METHODS = [
                 required=True,
                 lo=1,
                 hi=MAX_FACTOR,
-                phrase="a finite number {lower} and {upper}",
                 doc="the base becomes base * alpha^(D/(D-2))",
             ),
         ),
@@ -348,7 +347,6 @@ METHODS = [
                 lo=0,
                 lo_open=True,
                 hi=1,
-                phrase="in {interval}",
                 doc="the share of the head's frequencies that keep turning",
             ),
         ),

@@ -77,8 +77,8 @@ GROUP_RULES = ("reach", "authors")
 DEFAULT_GROUP_RULE = "reach"
 
 PARAMS = (
-    Param("group", None, "size", lo=1, none="the default", doc="G: distant positions are floor(i / G)"),
-    Param("window", None, "size", lo=1, none="the default", doc="W: keys within W tokens keep their positions"),
+    Param("group", None, "size", lo=1, doc="G: distant positions are floor(i / G)"),
+    Param("window", None, "size", lo=1, doc="W: keys within W tokens keep their positions"),
     Param("group_rule", None, "choice", choices=GROUP_RULES, doc="how a group that is not given is chosen"),
 )
 CONSTRAINTS = (

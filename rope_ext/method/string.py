@@ -47,8 +47,8 @@ from .rope import yarn
 
 NAME = "string"
 PARAMS = (
-    Param("shift", None, "size", lo=1, none="the default", doc="S: distances from S on move down to S - W"),
-    Param("local", None, "size", lo=0, none="the default", doc="W: what the shift moves distance S to"),
+    Param("shift", None, "size", lo=1, doc="S: distances from S on move down to S - W"),
+    Param("local", None, "size", lo=0, doc="W: what the shift moves distance S to"),
     Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
 )
 SUMMARY = "STRING: distances past the shift S replaced by well-trained ones, d - S + W (over YaRN past the window)"
