@@ -24,7 +24,9 @@ of that shape is one class with those maps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -82,6 +84,23 @@ class AttentionMethod(Method):
 def default_window(window_tokens: int) -> int:
     """The neighbour window of the two-part methods: a quarter of the trained window."""
     return max(1, window_tokens // 4)
+
+
+def capacity(window_tokens: int, group: int, window: int) -> int:
+    """Tokens a model trained on `window_tokens` reaches with grouped positions floor(i/G) past a
+    neighbour window W (self_extend's, and dpe's in each group of frequencies): the farthest grouped
+    distance, floor(i/G) + W - floor(W/G), stays below the trained window."""
+    return group * (window_tokens - window + window // group)
+
+
+def reaching_group(window_tokens: int, target: int, window: int, least: int = 2) -> int:
+    """The smallest group from `least` on whose capacity reaches `target` tokens at neighbour
+    window `window`."""
+    # capacity <= G * (L - W) + W, so no smaller group reaches the target
+    group = max(least, math.ceil(Fraction(target - window, window_tokens - window)))
+    while capacity(window_tokens, group, window) < target:
+        group += 1
+    return group
 
 
 class TwoPartAttention(RotatesWithStore):

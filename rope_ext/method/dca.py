@@ -66,18 +66,18 @@ from .base import ModelFacts, Param
 from .stated import CONFIG_KEY, stated_sizes
 
 NAME = "dca"
-# chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
-PARAMS = (
-    Param("chunk_size", None, "size", lo=2, doc="c: the chunk, at most the trained window"),
-    Param("local_size", None, "size", lo=1, doc="local: c - local is the chunk's stride s"),
-    Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
-)
 SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax, Qwen's length temperature"
 FORMULA = (
     "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c) (previous chunk), min(2s-1, c) (earlier); "
     "s = c - local; temperature: logits x max(1, 0.1 ln(n/L) + 1)^2"
 )
 LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice (Qwen's configs state c / 32)
+# chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
+PARAMS = (
+    Param("chunk_size", None, "size", lo=2, doc="c: the chunk, at most the trained window"),
+    Param("local_size", None, "size", lo=1, doc="local: c - local is the chunk's stride s"),
+    Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
+)
 
 
 @dataclass(frozen=True)
@@ -220,6 +220,9 @@ class DualChunkMethod(AttentionMethod):
     decide it, whether that config states original_max_position_embeddings; the attention is
     `DualChunkAttention`."""
 
+    takes_query_scales: bool = True
+    # `causal` chooses the length n of the temperature; with it off, n plays no part
+    switches: str | None = "Qwen's length temperature"
     transform: ClassVar[type] = DualChunkAttention
     chooses_keys: ClassVar[bool] = True
 
@@ -253,5 +256,4 @@ class DualChunkMethod(AttentionMethod):
         return factor, {**params, "chunk_size": int(chunk), "local_size": int(local), "temperature": temperature}
 
 
-# `causal` chooses the length n of the temperature; with it off, n plays no part
-METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=PARAMS, takes_query_scales=True, switches="Qwen's length temperature")
+METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=PARAMS)

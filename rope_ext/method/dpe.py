@@ -55,9 +55,8 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .attention_side import TwoPartMethod
+from .attention_side import TwoPartMethod, reaching_group
 from .base import ModelFacts, Param
-from .self_extend import choose_group
 
 NAME = "dpe"
 SUMMARY = "DPE: exact positions for neighbours; distant keys at positions scaled per group of RoPE dimensions"
@@ -101,7 +100,7 @@ class DpeMethod(TwoPartMethod):
         window = max(1, trained // WINDOW_FRACTION) if params["window"] is None else params["window"]
         if window >= trained:
             raise ValueError(f"{NAME}: the local window ({window}) must be smaller than the trained window ({trained})")
-        scales = params["scales"] or [choose_group(trained, math.ceil(trained * factor), window, "reach")]
+        scales = params["scales"] or [reaching_group(trained, math.ceil(trained * factor), window)]
         if pairs % len(scales):
             raise ValueError(
                 f"{NAME}: {len(scales)} scales do not split this model's {pairs} frequency pairs (rotary dim "

@@ -119,6 +119,10 @@ class ReRoPEMethod(TwoPartMethod):
     positions: keys at j / k and queries at i / k + w - w / k (fp32, fractional), or keys at 0 and
     queries at w for ReRoPE."""
 
+    factor_required: bool = False
+    takes_query_scales: bool = True
+    switches: str | None = "rectified distances"
+
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
         changing nothing, when they do not fit the model's window."""
@@ -166,13 +170,4 @@ class ReRoPEMethod(TwoPartMethod):
         return k_pos.float() / leak
 
 
-METHOD = ReRoPEMethod(
-    NAME,
-    SUMMARY,
-    FORMULA,
-    params=PARAMS,
-    constraints=CONSTRAINTS,
-    factor_required=False,
-    takes_query_scales=True,
-    switches="rectified distances",
-)
+METHOD = ReRoPEMethod(NAME, SUMMARY, FORMULA, params=PARAMS, constraints=CONSTRAINTS)

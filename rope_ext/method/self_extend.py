@@ -57,7 +57,7 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .attention_side import TwoPartMethod, default_window
+from .attention_side import TwoPartMethod, capacity, default_window, reaching_group
 from .base import AtLeast, FactorOr, ModelFacts, Param
 
 NAME = "self_extend"
@@ -87,12 +87,6 @@ CONSTRAINTS = (
 )
 
 
-def capacity(window_tokens: int, group: int, window: int) -> int:
-    """Tokens a model trained on `window_tokens` reaches with group size G and neighbour window W:
-    the farthest grouped distance, floor(i/G) + W - floor(W/G), stays below the trained window."""
-    return group * (window_tokens - window + window // group)
-
-
 def grouped_span(target: int, group: int, window: int) -> Fraction:
     """W + (N - W) / G: the largest distance the grouped attention gives at N = `target` tokens."""
     return window + Fraction(target - window, group)
@@ -110,20 +104,16 @@ def follows_rule(window_tokens: int, target: int, group: int, window: int) -> bo
 def choose_group(window_tokens: int, target: int, window: int, rule: str) -> int:
     """The group `rule` (one of GROUP_RULES) picks for `target` tokens at neighbour window `window`;
     ValueError for "authors" when no group follows the rule at this window."""
-    # capacity <= G * (L - W) + W, so no smaller group reaches the target
-    group = max(2, math.ceil(Fraction(target - window, window_tokens - window)))
-    if rule == "authors":
-        limit = rule_limit(window_tokens)
-        if window >= limit:
-            raise ValueError(
-                f"{NAME}: no group follows its authors' rule at window {window}: W + (N - W)/G exceeds W for every "
-                f"group, and W is not below {AUTHORS_FRACTION} x {window_tokens} = {float(limit):.6g}; lower the window"
-            )
-        # the span falls as the group grows, so every group from this one on follows the rule
-        group = max(group, math.ceil((target - window) / (limit - window)))
-    while capacity(window_tokens, group, window) < target:
-        group += 1
-    return group
+    if rule != "authors":
+        return reaching_group(window_tokens, target, window)
+    limit = rule_limit(window_tokens)
+    if window >= limit:
+        raise ValueError(
+            f"{NAME}: no group follows its authors' rule at window {window}: W + (N - W)/G exceeds W for every "
+            f"group, and W is not below {AUTHORS_FRACTION} x {window_tokens} = {float(limit):.6g}; lower the window"
+        )
+    # the span falls as the group grows, so every group from this one on follows the rule
+    return reaching_group(window_tokens, target, window, max(2, math.ceil((target - window) / (limit - window))))
 
 
 def choose(factor: float, window_tokens: int, rule: str = DEFAULT_GROUP_RULE, window: int | None = None) -> tuple[int, int]:
@@ -172,6 +162,10 @@ class SelfExtendMethod(TwoPartMethod):
     """SelfExtend's group and window, with the grouped positions as the two-part engine's distant
     positions."""
 
+    factor_required: bool = False
+    takes_query_scales: bool = True
+    switches: str | None = "grouped attention"
+
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with group, window and the group_rule that chose the group filled in) for
         this model; ValueError, changing nothing, when they do not fit its window. A group the
@@ -217,13 +211,4 @@ class SelfExtendMethod(TwoPartMethod):
         return torch.div(k_pos, params["group"], rounding_mode="floor")
 
 
-METHOD = SelfExtendMethod(
-    NAME,
-    SUMMARY,
-    FORMULA,
-    params=PARAMS,
-    constraints=CONSTRAINTS,
-    factor_required=False,
-    takes_query_scales=True,
-    switches="grouped attention",
-)
+METHOD = SelfExtendMethod(NAME, SUMMARY, FORMULA, params=PARAMS, constraints=CONSTRAINTS)

@@ -48,12 +48,12 @@ from .attention_side import AttentionMethod
 from .base import ModelFacts, Param
 
 NAME = "sink_window"
+SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
+FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
 PARAMS = (
     Param("sinks", 4, "size", lo=0, doc="the first keys every query attends; 4: StreamingLLM's choice"),
     Param("window", None, "size", lo=1, doc="the last keys a query attends; None: L - sinks"),
 )
-SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
-FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
 
 
 class SinkWindowLayer(DynamicLayer):

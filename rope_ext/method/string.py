@@ -34,7 +34,7 @@ in both parts: a DynamicCache's keys are kept rotated between forwards in one co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -42,20 +42,20 @@ import torch
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import ModelFacts, Param, default_inv_freq
+from .base import FrequencyFn, ModelFacts, Param, default_inv_freq
 from .rope import yarn
 
 NAME = "string"
-PARAMS = (
-    Param("shift", None, "size", lo=1, doc="S: distances from S on move down to S - W"),
-    Param("local", None, "size", lo=0, doc="W: what the shift moves distance S to"),
-    Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
-)
 SUMMARY = "STRING: distances past the shift S replaced by well-trained ones, d - S + W (over YaRN past the window)"
 FORMULA = "i-j < S: distance i-j; else i-j-S+W (query at i-S+W); one softmax; frequencies yarn((N-S)/L) when N - S > L"
 SHIFT_FRACTION = 0.33  # of N, the paper's default (An et al. 2025, section 4)
 LOCAL = 128  # W, the paper's default
 TEMPERATURE = 1.0693  # cos/sin scale of HKUNLP/STRING's code for queries and keys
+PARAMS = (
+    Param("shift", None, "size", lo=1, doc="S: distances from S on move down to S - W"),
+    Param("local", None, "size", lo=0, doc="W: what the shift moves distance S to"),
+    Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
+)
 
 
 def string_frequencies(geom: RotaryGeometry, seq_len=None, *, factor: float, shift: int, local: int, temperature: bool):
@@ -72,6 +72,9 @@ class StringMethod(TwoPartMethod):
     """STRING's shift and local window, as the two-part engine's near window and distant positions.
     A factor is optional: without one (or with 1) the patch is for the trained window itself."""
 
+    fn: FrequencyFn = field(default=string_frequencies, kw_only=True)
+    factor_required: bool = False
+    factor_one: bool = True
     distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
 
     def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
@@ -109,4 +112,4 @@ class StringMethod(TwoPartMethod):
         return k_pos
 
 
-METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=PARAMS, fn=string_frequencies, factor_required=False, factor_one=True)
+METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=PARAMS)
