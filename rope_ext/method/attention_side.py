@@ -1,17 +1,18 @@
-"""Attention-side methods: what self_extend, rerope, string, dca and sink_window share, declared once.
+"""Attention-side methods: what self_extend, rerope, string, dpe, dca and sink_window share, declared once.
 
 An `AttentionMethod` changes the positions at which queries and keys meet inside attention, with
-the trained frequencies unless it declares its own `fn` (string, past the window). The KV cache
-keeps keys before rotation (rotation="attention", rope_ext.rotary), so one forward, chunked
-prefill and token-by-token decoding give the same numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
-config keeps its trained window. The base owns:
+the trained frequencies unless it declares its own `fn` (string, past the window); how every such
+method runs is docs/concepts.md, "How the attention-side methods run". A plain reload of a saved
+checkpoint is the unpatched model (no native form), so the config keeps its trained window. The
+base owns:
 
 - its parameters are Params like every method's (rope_ext.method.base), checked by Method.validate;
   `causal` applies where the method `switches`, the query scales where `takes_query_scales`;
 - what it requires of the model (`requires`, checked by rope_ext.method.base.refusal): its
   attention backends (`backends`), causal softmax attention over every key of the patch's length,
   and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
-- the parameters it derives from the model (`resolve`, the hook of every method);
+- the parameters it derives from the model (`resolve`, the hook of every method), with what the
+  two-part methods share (`default_window`, and self_extend's and dpe's `reaching_group`);
 - the transform installed in attention (`transform`: RotateInAttention, or a transform that holds
   one as its rotation store, rope_ext.attention.RotatesWithStore).
 

@@ -122,7 +122,7 @@ class Param:
     - `nullable`: None is a value (by default where the default is None); `required`: a default
       None that the caller must replace;
     - `words`: strings a number also takes (rerope's leak "auto"); `distinct`, `sort`: of a list;
-    - `doc`: what the parameter is, said in messages (how else a message reads it: READS)."""
+    - `doc`: what the parameter is, said in messages (how else one reads it: NONE_READS, BOUNDS_READ)."""
 
     name: str
     default: object = None

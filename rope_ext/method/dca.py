@@ -6,49 +6,20 @@ vllm/model_executor/layers/rotary_embedding/dual_chunk_rope.py; SGLang 0.5.2
 sglang/srt/layers/attention/dual_chunk_flashattention_backend.py with DualChunkRotaryEmbedding in
 sglang/srt/layers/rotary_embedding.py).
 
-The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at their position
-within their chunk, j mod s; a query at position i in chunk n = i // s attends
+The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at j mod s; a query
+at position i in chunk n = i // s attends, with c = chunk_size,
 
     keys of its own chunk           with query position  i mod s                  (intra-chunk)
     keys of the chunk before        with query position  min(i mod s + s, c)      (successive-chunk)
     keys of every earlier chunk     with query position  min(2s - 1, c)           (inter-chunk)
 
-where c = chunk_size, and the three parts share one softmax. No relative distance exceeds c, so
-with c at most the trained window L the model sees at most the distance L; nearby tokens keep their
-true distance up to local_size into the next chunk. (The paper's Fig. 2 clamps at c - 1; the code
-and both engines at c.)
-
-A query at a position i < min(c + 1, 2s) meets every key at its true distance through the maps
-above: such queries attend with their own positions, exactly as the unpatched model (bit for bit).
-
-`temperature` is the engines' length temperature (Qwen2.5-1M's "YaRN" in that stack: no frequency
-changes): with L the trained window, logits times t(n)^2, t(n) = max(1, 0.1 ln(n / L) + 1). The
-engines multiply the keys by t(n) before caching them and the softmax scale by t(n) in a prefill of
-n tokens; `causal` says what n is here: True (default), the length each query has seen (its position
-+ 1), so one forward, chunked prefill and decoding agree; False, the length of the forward's
-sequence for all its rows, which is the engines' prefill of a prompt of that length. Decoding in the
-engines multiplies the new query by t(n) against keys that kept the factor of their own write
-(vLLM; SGLang 0.5.2 caches a decode step's key before scaling it), which neither setting is. The
-temperature is on where the checkpoint's `dual_chunk_attention_config` states
-original_max_position_embeddings (the engines apply it exactly then), unless given.
-
-The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
-mechanism of the dynamic methods, rope_ext.rotary). `logn=True` adds Qwen's log-n scale to the
-queries past the trained window (docs/logn.md).
-
-How it runs: each part is an attention call of the model's own head size over the keys it needs,
-without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
-a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
-No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
-(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
-min(c + 1, 2s), at their own positions instead): a decode step rotates only its query, at its three
-positions, and its new key, and attends the three parts in three calls.
-
-Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
-local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
-"dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
-trained window from original_max_position_embeddings (docs/dca.md); `rope_ext.method.stated` reads
-and checks each.
+the three parts in one softmax (the paper's Fig. 2 clamps at c - 1; the code and both engines at c).
+A query below min(c + 1, 2s) meets every key at its true distance and attends as the unpatched
+model. `temperature` is the engines' length temperature, logits times t(n)^2 with t(n) =
+max(1, 0.1 ln(n / L) + 1); `causal` says whether n is the length each query has seen (True) or the
+forward's (the engines' prefill). Qwen2.5-1M's `dual_chunk_attention_config` gives the sizes and
+turns the temperature on (rope_ext.method.stated). Parameters and measurements: docs/dca.md; how it
+runs: docs/concepts.md, "How the attention-side methods run".
 """
 
 from __future__ import annotations
