@@ -20,6 +20,8 @@ the scaled frequencies; `config_values` are the values it may change, which `res
 
 Both are versioned. A record that is missing a key, has a value of the wrong type, names an
 unknown method or another version is refused with one ValueError that names the file and the key.
+Records written by an earlier rope-ext are read here in today's terms (`migrated`), or refused
+with the reason where they recorded something a method no longer computes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 
 from .geometry import RotaryGeometry
 from .method import REGISTRY, check
+from .method.base import SCHEDULE_PARAMS, Method
 from .method.rope import yarn_mscale
 from .names import RETIRED
 from .shipped import QUERY_SCALE_KEY, WINDOW_KEYED
@@ -72,6 +75,21 @@ SCALING_KEYS = frozenset(
         "max_trained_positions",
     }
 )
+
+# The causal schedule as records written before the attention-side methods had a base of their own
+# held it for every one of them, whether it applied or not.
+RECORDED_SCHEDULE = {"causal": True, "granularity": 1}
+# Why a method's record cannot be re-applied, for records that lack what it records since it
+# computes something else: {method: (the parameter a current record holds, the reason)}.
+STALE = {
+    "dca": (
+        "temperature",
+        "dca was recorded by a rope-ext that clamped the successive- and inter-chunk query positions at "
+        "chunk_size - 1 (the paper's figure); dca now computes the released code's maps (min(i mod s + s, c), "
+        "min(2s - 1, c)) and Qwen's temperature, which would change this checkpoint's logits: patch the base "
+        "model again with dca (docs/dca.md)",
+    )
+}
 
 # the rope type whose max_position_embeddings transformers reads as the trained window (a factor
 # of its math), not as a length: `dynamic`
@@ -372,9 +390,10 @@ def read(config, source: str | None = None) -> Patch | None:
         raise ValueError(f"{source}: key {CONFIG_KEY}.factor must be a finite number > 1, got {factor!r}") from None
     original = _field(saved, "original", dict, source)
     params = dict(_field(saved, "params", dict, source))
-    if (stale := REGISTRY[method].stale_record(params)) is not None:
-        raise ValueError(f"{source}: key {CONFIG_KEY}.params: {stale}")
+    if method in STALE and STALE[method][0] not in params:
+        raise ValueError(f"{source}: key {CONFIG_KEY}.params: {STALE[method][1]}")
     try:
+        params = migrated(REGISTRY[method], params)
         check(method, factor, params)
     except ValueError as err:
         raise ValueError(f"{source}: key {CONFIG_KEY}.params: {err}") from None
@@ -383,6 +402,28 @@ def read(config, source: str | None = None) -> Patch | None:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{source}: key {CONFIG_KEY}.original.original_window must be a positive int, got {window!r}")
     return patch
+
+
+def migrated(method: Method, params: dict) -> dict:
+    """A record's `params` for `method` in today's terms: without the causal schedule
+    (RECORDED_SCHEDULE) where the method keeps keys before rotation at positions that do not
+    follow the length, which such records hold at their defaults; ValueError, with the reason,
+    for any other value."""
+    if not method.dynamic or method.follows_length:
+        return params
+    fixed = {k: params[k] for k in SCHEDULE_PARAMS if k not in method.schedule and k in params}
+    if any(fixed[k] != RECORDED_SCHEDULE[k] or type(fixed[k]) is not type(RECORDED_SCHEDULE[k]) for k in fixed):
+        if method.schedule:
+            raise ValueError(
+                f"{method.name}: granularity does not apply (a query switches to {method.switches} once it has seen more "
+                f"than the trained window); got {fixed['granularity']!r}"
+            )
+        shown = {**RECORDED_SCHEDULE, **fixed}
+        raise ValueError(
+            f"{method.name}: causal and granularity do not apply (every query's positions follow from its own "
+            f"position); got causal={shown['causal']!r}, granularity={shown['granularity']!r}"
+        )
+    return {k: v for k, v in params.items() if k not in fixed}
 
 
 def _positive(value, kind) -> bool:
@@ -438,10 +479,18 @@ def read_finetune(path) -> tuple[str, Patch]:
     source = str(record_path)
     base_model = _field(record, "base_model", str, source, "")
     saved = _field(record, "patch", dict, source, "")
+    method = _field(saved, "method", str, source, "patch")
+    factor = float(_field(saved, "factor", (int, float), source, "patch"))
+    params = _field(saved, "params", dict, source, "patch")
+    if method in REGISTRY:  # another name is refused by the patch it names
+        try:
+            params = migrated(REGISTRY[method], params)
+        except ValueError as err:
+            raise ValueError(f"{source}: key patch.params: {err}") from None
     return base_model, Patch(
-        _field(saved, "method", str, source, "patch"),
-        float(_field(saved, "factor", (int, float), source, "patch")),
-        _field(saved, "params", dict, source, "patch"),
+        method,
+        factor,
+        params,
         {"original_window": _field(saved, "original_window", int, source, "patch")},
         source=source,
     )

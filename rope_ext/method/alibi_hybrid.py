@@ -1,4 +1,5 @@
-"""alibi_hybrid: the (optionally scaled) rotary embedding plus ALiBi's linear distance bias,
+"""alibi_hybrid: the (optionally scaled) rotary embedding plus ALiBi's linear distance bias (Press et
+al. 2022, "Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation"),
 
     logits[h, i, j] += -m_h * max(0, (i - j) - w)    for j <= i,
 
@@ -9,27 +10,10 @@ trained window the bias is zero and farther keys fade out linearly.
 The rotary part is any registered method (`rope="ntk"`, `"yarn"`, ...) at the patch's factor, or
 `rope=None` for the model's own RoPE: then `factor` only sets the length the patched model is
 meant for (PatchInfo.max_length; the config keeps the trained window, as a plain reload is the
-unpatched model).
-
-The bias is an AttentionTransform (rope_ext.attention), the last step of the rope-ext chain, and
-never builds a [B, H, L, L] tensor for the whole sequence:
-- eager and sdpa: the bias depends on i - j only, so with the keys taken in reverse order it
-  depends on (query row + key index) and a chunk's [H, rows, keys] bias is a strided view of one
-  [H, rows + keys] table, which sdpa reads without copying. Query rows go in chunks so that each
-  sees only the keys it can attend to (the causal half is skipped as in plain sdpa). Only a mask
-  of the model's own (padding; eager always has one) is added to the view, at most MASK_BYTES a
-  chunk. Rows with no key farther than w are attended exactly as without the patch. sdpa is
-  called directly with grouped key heads (transformers' wrapper would copy keys per head).
-- flex_attention: the bias is a score_mod, computed inside the kernel.
-- flash_attention_2: the kernel's own `alibi_slopes`, which only exists for w = 0.
-Distances are key indices, aligned bottom-right (the last query is the last key), which is what
-the model's causal mask and flash-attention use; with left padding the real tokens are contiguous
-so their distances are the same. A KV cache that grows (DynamicCache) keeps that alignment, so
-decoding gives the logits of a full forward; pre-allocated (static) caches are refused.
-
-Slopes live per attention layer in an `AlibiSlopes` module at `<attention>.rope_ext_alibi`: fixed
-buffers, or with `trainable=True` an nn.Parameter that is saved with the model and that peft
-trains with `modules_to_save=["rope_ext_alibi"]`.
+unpatched model). Slopes live per attention layer in an `AlibiSlopes` module at
+`<attention>.rope_ext_alibi`: fixed buffers, or with `trainable=True` an nn.Parameter that is saved
+with the model and that peft trains with `modules_to_save=["rope_ext_alibi"]`. Parameters and
+measurements: docs/alibi.md; how the bias runs: `AlibiBias`.
 """
 
 from __future__ import annotations
@@ -56,7 +40,7 @@ ATTRIBUTE = "rope_ext_alibi"  # the per-layer slopes module; also peft's modules
 MAX_SLOPE_SCALE = 1e6
 PARAMS = (
     Param("rope", "ntk", "choice", choices=tuple(ROPE_METHODS), nullable=True, doc="the rotary method; None: plain RoPE"),
-    Param("w", None, "size", lo=0, none="the original window", doc="the bias-free distance, in tokens"),
+    Param("w", None, "size", lo=0, doc="the bias-free distance, in tokens"),
     Param(
         "heads",
         None,
@@ -64,7 +48,6 @@ PARAMS = (
         item=Param("head", kind="size", lo=0),
         distinct=True,
         sort=True,
-        none="all heads",
         doc="head indices",
     ),
     Param("slope_scale", 1.0, "float", lo=0, lo_open=True, hi=MAX_SLOPE_SCALE, doc="multiplies every slope"),
@@ -209,7 +192,22 @@ class AlibiBias(AttentionTransform):
     """Adds the ALiBi-hybrid bias inside attention; the last transform of a chain. For eager (and
     any backend that adds a float mask) it hands chunked, biased masks to `attend`; for sdpa,
     flex_attention and flash_attention_2 it calls the kernel itself, since their transformers
-    wrappers take no memory-safe bias."""
+    wrappers take no memory-safe bias.
+
+    It never builds a [B, H, L, L] tensor for the whole sequence:
+    - eager and sdpa: the bias depends on i - j only, so with the keys taken in reverse order it
+      depends on (query row + key index) and a chunk's [H, rows, keys] bias is a strided view of one
+      [H, rows + keys] table, which sdpa reads without copying. Query rows go in chunks so that each
+      sees only the keys it can attend to (the causal half is skipped as in plain sdpa). Only a mask
+      of the model's own (padding; eager always has one) is added to the view, at most MASK_BYTES a
+      chunk. Rows with no key farther than w are attended exactly as without the patch. sdpa is
+      called directly with grouped key heads (transformers' wrapper would copy keys per head).
+    - flex_attention: the bias is a score_mod, computed inside the kernel.
+    - flash_attention_2: the kernel's own `alibi_slopes`, which only exists for w = 0.
+    Distances are key indices, aligned bottom-right (the last query is the last key), which is what
+    the model's causal mask and flash-attention use; with left padding the real tokens are contiguous
+    so their distances are the same. A KV cache that grows (DynamicCache) keeps that alignment, so
+    decoding gives the logits of a full forward; pre-allocated (static) caches are refused."""
 
     def __init__(self, num_heads: int, heads: list[int], w: int, slope_scale: float, trainable: bool):
         self.num_heads, self.heads, self.w = num_heads, heads, w

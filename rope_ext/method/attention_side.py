@@ -1,23 +1,20 @@
-"""Attention-side methods: what self_extend, rerope, string, dca and sink_window share, declared once.
+"""Attention-side methods: what self_extend, rerope, string, dpe, dca and sink_window share, declared once.
 
 An `AttentionMethod` changes the positions at which queries and keys meet inside attention, with
-the trained frequencies unless it declares its own `fn` (string, past the window). The KV cache
-keeps keys before rotation (rotation="attention", rope_ext.rotary), so one forward, chunked
-prefill and token-by-token decoding give the same numbers; a plain reload of a saved checkpoint is the unpatched model (no native form), so the
-config keeps its trained window. The base owns:
+the trained frequencies unless it declares its own `fn` (string, past the window); how every such
+method runs is docs/concepts.md, "How the attention-side methods run". A plain reload of a saved
+checkpoint is the unpatched model (no native form), so the config keeps its trained window. The
+base owns:
 
 - its parameters are Params like every method's (rope_ext.method.base), checked by Method.validate;
   `causal` applies where the method `switches`, the query scales where `takes_query_scales`;
 - what it requires of the model (`requires`, checked by rope_ext.method.base.refusal): its
   attention backends (`backends`), causal softmax attention over every key of the patch's length,
   and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
-- the parameters it derives from the model (`derive`, its `resolve`);
+- the parameters it derives from the model (`resolve`, the hook of every method), with what the
+  two-part methods share (`default_window`, and self_extend's and dpe's `reaching_group`);
 - the transform installed in attention (`transform`: RotateInAttention, or a transform that holds
   one as its rotation store, rope_ext.attention.RotatesWithStore).
-
-Records written before this base listed `causal` and `granularity` for every method that keeps
-keys before rotation; a record that carries them at their defaults still reloads, and any other
-value is refused with the reason.
 
 `TwoPartMethod` is the two-part engine of self_extend, rerope, string and dpe (and any method of
 that shape): for the queries the method `switched`, keys within its `near_window` keep their own
@@ -28,7 +25,9 @@ of that shape is one class with those maps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -37,10 +36,7 @@ from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, h
 from rope_ext.attention.rotate import RotateInAttention, RotatesWithStore
 from rope_ext.geometry import RotaryGeometry
 
-from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
-
-# the schedule as records written before this base held it for every method that keeps keys before rotation
-RECORDED_SCHEDULE = {"causal": True, "granularity": 1}
+from .base import FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
 
 
 def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params) -> tuple[torch.Tensor, float]:
@@ -51,7 +47,7 @@ def trained_frequencies(geom: RotaryGeometry, seq_len=None, *, factor, **params)
 @dataclass(frozen=True)
 class AttentionMethod(Method):
     """A method that attends at other positions (with the trained frequencies unless it gives its
-    own `fn`). A subclass sets `transform` (its attention transform) and overrides `derive` for what
+    own `fn`). A subclass sets `transform` (its attention transform) and overrides `resolve` for what
     it derives from the model."""
 
     fn: FrequencyFn = field(default=trained_frequencies, kw_only=True)
@@ -76,43 +72,11 @@ class AttentionMethod(Method):
             return f"switches every query of a forward to {self.switches} once that forward passes the trained window"
         return None
 
-    def validate(self, factor, params: dict) -> dict:
-        """Method.validate, once the schedule a record written before this base holds is dropped
-        where it does not apply (`_drop_fixed_schedule`): records' compatibility, not a rule of a
-        method."""
-        params = dict(params)
-        self._drop_fixed_schedule(params)
-        return super().validate(factor, params)
-
-    def _drop_fixed_schedule(self, params: dict) -> None:
-        """Remove the SCHEDULE_PARAMS that do not apply, after checking that they hold their defaults."""
-        fixed = {k: params.pop(k) for k in SCHEDULE_PARAMS if k not in self.schedule and k in params}
-        if all(fixed[k] == RECORDED_SCHEDULE[k] and type(fixed[k]) is type(RECORDED_SCHEDULE[k]) for k in fixed):
-            return
-        if self.switches:
-            raise ValueError(
-                f"{self.name}: granularity does not apply (a query switches to {self.switches} once it has seen more "
-                f"than the trained window); got {fixed['granularity']!r}"
-            )
-        shown = {**RECORDED_SCHEDULE, **fixed}
-        raise ValueError(
-            f"{self.name}: causal and granularity do not apply (every query's positions follow from its own "
-            f"position); got causal={shown['causal']!r}, granularity={shown['granularity']!r}"
-        )
-
     @property
     def requires(self) -> Requires:
         """The base's, and: the backends it declares, plain causal softmax attention over every key
         of the patch's length, and, where it chooses keys by position, no sliding window shorter."""
         return replace(super().requires, backends=self.backends, own_attention=True, keys_by_position=self.chooses_keys)
-
-    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-        return self.derive(facts, geometry, factor, params)
-
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
-        """(factor, params) with what the method derives from the model filled in; ValueError,
-        changing nothing, when they do not fit it."""
-        return factor, params
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
         return [self.transform(rotary)]
@@ -121,6 +85,23 @@ class AttentionMethod(Method):
 def default_window(window_tokens: int) -> int:
     """The neighbour window of the two-part methods: a quarter of the trained window."""
     return max(1, window_tokens // 4)
+
+
+def capacity(window_tokens: int, group: int, window: int) -> int:
+    """Tokens a model trained on `window_tokens` reaches with grouped positions floor(i/G) past a
+    neighbour window W (self_extend's, and dpe's in each group of frequencies): the farthest grouped
+    distance, floor(i/G) + W - floor(W/G), stays below the trained window."""
+    return group * (window_tokens - window + window // group)
+
+
+def reaching_group(window_tokens: int, target: int, window: int, least: int = 2) -> int:
+    """The smallest group from `least` on whose capacity reaches `target` tokens at neighbour
+    window `window`."""
+    # capacity <= G * (L - W) + W, so no smaller group reaches the target
+    group = max(least, math.ceil(Fraction(target - window, window_tokens - window)))
+    while capacity(window_tokens, group, window) < target:
+        group += 1
+    return group
 
 
 class TwoPartAttention(RotatesWithStore):

@@ -50,9 +50,10 @@ the other, the one place that decides whether a method runs on a model, with the
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -108,7 +109,8 @@ PARAM_KINDS = ("bool", "number", "float", "size", "choice", "list")
 @dataclass(frozen=True)
 class Param:
     """One parameter of a method, as data (the shape of peft's LoraConfig fields): `Method.validate`
-    checks every parameter by its Param, so a method declares its parameters and writes no check.
+    checks every parameter by its Param (`checked`), so a method declares its parameters and writes
+    no check.
 
     - `kind` (PARAM_KINDS): "bool", True or False; "number", an int or float, kept as given (numpy
       scalars and 0-d tensors as the Python number they hold); "float", a number as a float;
@@ -117,13 +119,10 @@ class Param:
       of its `presets`;
     - `lo`, `hi`: the bounds of a number (either may be None), `lo_open`/`hi_open` leaving them out;
       a size's `lo` (its hi is MAX_POSITIONS);
-    - `nullable`: None is a value (by default where the default is None), `none` saying what it
-      stands for in messages ("the default", "ReRoPE"); `required`: a default None that the caller
-      must replace;
+    - `nullable`: None is a value (by default where the default is None); `required`: a default
+      None that the caller must replace;
     - `words`: strings a number also takes (rerope's leak "auto"); `distinct`, `sort`: of a list;
-    - `doc`: what the parameter is, said in messages; `phrase`: how a number's bounds read in one,
-      from {interval} ("(0, 1]"), {lower} ("> 0"), {upper} ("<= 1"), when not "a finite number in
-      {interval}" (or "a finite number {lower}" of a bound on one side)."""
+    - `doc`: what the parameter is, said in messages (how else one reads it: NONE_READS, BOUNDS_READ)."""
 
     name: str
     default: object = None
@@ -133,7 +132,6 @@ class Param:
     lo_open: bool = False
     hi_open: bool = False
     nullable: bool | None = None
-    none: str = ""
     required: bool = False
     choices: tuple = ()
     words: tuple = ()
@@ -142,7 +140,6 @@ class Param:
     distinct: bool = False
     sort: bool = False
     doc: str = ""
-    phrase: str = ""
 
     def __post_init__(self):
         if self.kind not in PARAM_KINDS:
@@ -152,83 +149,114 @@ class Param:
         if (self.kind == "list") != (self.item is not None):
             raise ValueError(f"parameter {self.name}: a list, and only a list, has an item")
 
-    def bounds(self) -> str:
-        """How the bounds of a number read in a message."""
-        lower = "" if self.lo is None else f"{'>' if self.lo_open else '>='} {_shown(self.lo)}"
-        upper = "" if self.hi is None else f"{'<' if self.hi_open else '<='} {_shown(self.hi)}"
-        interval = (
-            f"{'(' if self.lo_open else '['}{_shown(self.lo)}, {_shown(self.hi)}{')' if self.hi_open else ']'}"
-            if lower and upper
-            else ""
-        )
-        phrase = self.phrase or (f"a finite number in {interval}" if lower and upper else f"a finite number {lower or upper}")
-        return phrase.format(interval=interval, lower=lower, upper=upper)
 
-    def check(self, method: str, value, name: str | None = None):
-        """`value` checked and in its canonical form (a Python number, a list); ValueError naming
-        `method` and the parameter (`name`, for an item of a list) otherwise."""
-        name = name or self.name
-        if value is None and self.nullable:
-            return None
-        if self.kind == "bool":
-            if not isinstance(value, bool):
-                accepted = "True, False or None" if self.nullable else "True or False"
-                raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
-            return value
-        if self.kind == "size":
-            note = f" (or None for {self.none})" if self.nullable and self.none else ""
-            return as_size(value, f"{method}: {name}{note}", 1 if self.lo is None else self.lo)
-        if self.kind == "choice":
-            if isinstance(value, bool) or value not in self.choices:
-                accepted = ("None or " if self.nullable else "") + "one of " + ", ".join(map(repr, self.choices))
-                raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
-            return value
-        if self.kind == "list":
-            return self._check_list(method, name, value)
-        return self._check_number(method, name, value)
+# How the messages of `checked` read a parameter where the default wording does not fit, by its
+# name (a name reads alike in every method): what None stands for, and how a number's bounds read,
+# from {interval} ("(0, 1]"), {lower} ("> 0"), {upper} ("<= 1"), in place of "a finite number in
+# {interval}" (or "a finite number {lower}" of a bound on one side).
+NONE_READS = {
+    **dict.fromkeys(("group", "window", "chunk_size", "local_size", "shift", "local"), "the default"),
+    "leak": "ReRoPE",
+    "w": "the original window",
+    "heads": "all heads",
+    "floor_scale": "the trained window",
+}
+BOUNDS_READ = {
+    **dict.fromkeys(("attention_factor", "partial_rotary_factor"), "in {interval}"),
+    **dict.fromkeys(("alpha", "leak"), "a finite number {lower} and {upper}"),
+}
 
-    def _check_number(self, method: str, name: str, value):
-        if isinstance(value, str) and value in self.words:
-            return value
-        try:
-            number = as_number(value, f"{method}: parameter {name}")
-        except ValueError:
-            if not (self.words or self.none):
-                raise
-            accepted = ([f"None ({self.none})"] if self.nullable and self.none else []) + [repr(w) for w in self.words]
-            lower = "" if self.lo is None else f" {'>' if self.lo_open else '>='} {_shown(self.lo)}"
-            raise ValueError(f"{method}: {name} must be {', '.join(accepted)} or a number{lower}, got {value!r}") from None
-        inside = math.isfinite(number) and (
-            (self.lo is None or (number > self.lo if self.lo_open else number >= self.lo))
-            and (self.hi is None or (number < self.hi if self.hi_open else number <= self.hi))
-        )
-        if not inside:
-            if self.lo is None and self.hi is None:
-                raise ValueError(f"{method}: parameter {name}={number!r} must be a finite number")
-            why = f" ({self.doc})" if self.doc else ""
-            raise ValueError(f"{method}: {name} must be {self.bounds()}{why}, got {value!r}")
-        return float(number) if self.kind == "float" else number
 
-    def _check_list(self, method: str, name: str, value) -> list:
-        presets = dict(self.presets)
-        if presets and isinstance(value, str):
-            if value not in presets:
-                raise ValueError(f"{method}: unknown {name} preset {value!r}; presets: {', '.join(presets)}")
-            return list(presets[value])
-        if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
-            value = value.tolist()
-        items = (
-            [self.item.check(method, item, f"{name}[{i}]") for i, item in enumerate(value)]
-            if (isinstance(value, (list, tuple)) and value)
-            else None
-        )
-        if items is None or (self.distinct and len(set(items)) != len(items)):
-            nouns = ("distinct " if self.distinct else "") + ("ints" if self.item.kind == "size" else "numbers")
-            accepted = (f"None ({self.none}) or " if self.nullable and self.none else "") + f"a non-empty list of {nouns}"
-            why = f" ({self.doc})" if self.doc else ""
-            preset = f" or a preset ({', '.join(presets)})" if presets else ""
-            raise ValueError(f"{method}: {name} must be {accepted}{why}{preset}, got {value!r}")
-        return sorted(items) if self.sort else items
+def checked(spec: Param, method: str, value, name: str | None = None):
+    """`value` checked against `spec` and in its canonical form (a Python number, a list);
+    ValueError naming `method` and the parameter (`name`, for an item of a list) otherwise."""
+    name = name or spec.name
+    none = NONE_READS.get(spec.name, "")
+    if value is None and spec.nullable:
+        return None
+    if spec.kind == "bool":
+        if not isinstance(value, bool):
+            accepted = "True, False or None" if spec.nullable else "True or False"
+            raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
+        return value
+    if spec.kind == "size":
+        note = f" (or None for {none})" if spec.nullable and none else ""
+        return as_size(value, f"{method}: {name}{note}", 1 if spec.lo is None else spec.lo)
+    if spec.kind == "choice":
+        if isinstance(value, bool) or value not in spec.choices:
+            accepted = ("None or " if spec.nullable else "") + "one of " + ", ".join(map(repr, spec.choices))
+            raise ValueError(f"{method}: {name} must be {accepted}, got {value!r}")
+        return value
+    if spec.kind == "list":
+        return _checked_list(spec, method, name, value, none)
+    return _checked_number(spec, method, name, value, none)
+
+
+def _checked_number(spec: Param, method: str, name: str, value, none: str):
+    if isinstance(value, str) and value in spec.words:
+        return value
+    try:
+        number = as_number(value, f"{method}: parameter {name}")
+    except ValueError:
+        if not (spec.words or none):
+            raise
+        accepted = ([f"None ({none})"] if spec.nullable and none else []) + [repr(w) for w in spec.words]
+        lower = "" if spec.lo is None else f" {'>' if spec.lo_open else '>='} {_shown(spec.lo)}"
+        raise ValueError(f"{method}: {name} must be {', '.join(accepted)} or a number{lower}, got {value!r}") from None
+    inside = math.isfinite(number) and (
+        (spec.lo is None or (number > spec.lo if spec.lo_open else number >= spec.lo))
+        and (spec.hi is None or (number < spec.hi if spec.hi_open else number <= spec.hi))
+    )
+    if not inside:
+        if spec.lo is None and spec.hi is None:
+            raise ValueError(f"{method}: parameter {name}={number!r} must be a finite number")
+        why = f" ({spec.doc})" if spec.doc else ""
+        raise ValueError(f"{method}: {name} must be {_bounds(spec)}{why}, got {value!r}")
+    return float(number) if spec.kind == "float" else number
+
+
+def _bounds(spec: Param) -> str:
+    """How the bounds of a number read in a message."""
+    lower = "" if spec.lo is None else f"{'>' if spec.lo_open else '>='} {_shown(spec.lo)}"
+    upper = "" if spec.hi is None else f"{'<' if spec.hi_open else '<='} {_shown(spec.hi)}"
+    interval = (
+        f"{'(' if spec.lo_open else '['}{_shown(spec.lo)}, {_shown(spec.hi)}{')' if spec.hi_open else ']'}"
+        if lower and upper
+        else ""
+    )
+    phrase = BOUNDS_READ.get(spec.name) or (
+        f"a finite number in {interval}" if lower and upper else f"a finite number {lower or upper}"
+    )
+    return phrase.format(interval=interval, lower=lower, upper=upper)
+
+
+def _checked_list(spec: Param, method: str, name: str, value, none: str) -> list:
+    presets = dict(spec.presets)
+    if presets and isinstance(value, str):
+        if value not in presets:
+            raise ValueError(f"{method}: unknown {name} preset {value!r}; presets: {', '.join(presets)}")
+        return list(presets[value])
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    items = (
+        [checked(spec.item, method, item, f"{name}[{i}]") for i, item in enumerate(value)]
+        if (isinstance(value, (list, tuple)) and value)
+        else None
+    )
+    if items is None or (spec.distinct and len(set(items)) != len(items)):
+        nouns = ("distinct " if spec.distinct else "") + ("ints" if spec.item.kind == "size" else "numbers")
+        accepted = (f"None ({none}) or " if spec.nullable and none else "") + f"a non-empty list of {nouns}"
+        why = f" ({spec.doc})" if spec.doc else ""
+        preset = f" or a preset ({', '.join(presets)})" if presets else ""
+        raise ValueError(f"{method}: {name} must be {accepted}{why}{preset}, got {value!r}")
+    return sorted(items) if spec.sort else items
+
+
+def with_defaults(fn: FrequencyFn, *params: Param) -> tuple[Param, ...]:
+    """`params` with the defaults the frequency function `fn` states for its keyword parameters:
+    a default is written once, in the function that computes with it."""
+    stated = {name: p.default for name, p in inspect.signature(fn).parameters.items() if p.default is not inspect.Parameter.empty}
+    return tuple(replace(p, default=stated[p.name], nullable=None) if p.name in stated else p for p in params)
 
 
 def _shown(bound) -> str:
@@ -295,7 +323,7 @@ SCHEDULE_PARAMS = {p.name: p.default for p in SCHEDULE}
 QUERY_SCALES = (
     Param("logn", False, "bool", doc="Qwen's log-n scale of queries past the trained window"),
     Param("attn_scale", 0.0, "float", lo=0, doc="0: no temperature"),
-    Param("floor_scale", None, "size", lo=1, none="the trained window"),
+    Param("floor_scale", None, "size", lo=1),
 )
 QUERY_SCALE_PARAMS = {p.name: p.default for p in QUERY_SCALES}
 
@@ -490,7 +518,7 @@ class Method:
         for name, spec in specs.items():
             if spec.required and params.get(name) is None:
                 raise ValueError(f"{self.name}: {name} is required ({spec.doc})")
-        merged = {name: spec.check(self.name, params.get(name, spec.default)) for name, spec in specs.items()}
+        merged = {name: checked(spec, self.name, params.get(name, spec.default)) for name, spec in specs.items()}
         for constraint in self.constraints:
             constraint.check(self.name, factor, merged)
         return merged
@@ -526,11 +554,6 @@ class Method:
 
     def load_state(self, model, path, params: dict) -> None:
         pass
-
-    def stale_record(self, params: dict) -> str | None:
-        """Why a patch record's `params` (config.rope_ext) cannot be re-applied, when they were
-        written while the method computed something else; None when they can."""
-        return None
 
     def notes(self, geometry: RotaryGeometry, factor: float, params: dict) -> dict:
         if not self.follows_length or self.window_step or not params.get("causal", True):

@@ -6,49 +6,20 @@ vllm/model_executor/layers/rotary_embedding/dual_chunk_rope.py; SGLang 0.5.2
 sglang/srt/layers/attention/dual_chunk_flashattention_backend.py with DualChunkRotaryEmbedding in
 sglang/srt/layers/rotary_embedding.py).
 
-The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at their position
-within their chunk, j mod s; a query at position i in chunk n = i // s attends
+The sequence is cut into chunks of s = chunk_size - local_size tokens. Keys sit at j mod s; a query
+at position i in chunk n = i // s attends, with c = chunk_size,
 
     keys of its own chunk           with query position  i mod s                  (intra-chunk)
     keys of the chunk before        with query position  min(i mod s + s, c)      (successive-chunk)
     keys of every earlier chunk     with query position  min(2s - 1, c)           (inter-chunk)
 
-where c = chunk_size, and the three parts share one softmax. No relative distance exceeds c, so
-with c at most the trained window L the model sees at most the distance L; nearby tokens keep their
-true distance up to local_size into the next chunk. (The paper's Fig. 2 clamps at c - 1; the code
-and both engines at c.)
-
-A query at a position i < min(c + 1, 2s) meets every key at its true distance through the maps
-above: such queries attend with their own positions, exactly as the unpatched model (bit for bit).
-
-`temperature` is the engines' length temperature (Qwen2.5-1M's "YaRN" in that stack: no frequency
-changes): with L the trained window, logits times t(n)^2, t(n) = max(1, 0.1 ln(n / L) + 1). The
-engines multiply the keys by t(n) before caching them and the softmax scale by t(n) in a prefill of
-n tokens; `causal` says what n is here: True (default), the length each query has seen (its position
-+ 1), so one forward, chunked prefill and decoding agree; False, the length of the forward's
-sequence for all its rows, which is the engines' prefill of a prompt of that length. Decoding in the
-engines multiplies the new query by t(n) against keys that kept the factor of their own write
-(vLLM; SGLang 0.5.2 caches a decode step's key before scaling it), which neither setting is. The
-temperature is on where the checkpoint's `dual_chunk_attention_config` states
-original_max_position_embeddings (the engines apply it exactly then), unless given.
-
-The rotary frequencies stay the trained ones; the KV cache keeps keys before rotation (the
-mechanism of the dynamic methods, rope_ext.rotary). `logn=True` adds Qwen's log-n scale to the
-queries past the trained window (docs/logn.md).
-
-How it runs: each part is an attention call of the model's own head size over the keys it needs,
-without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
-a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
-No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
-(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
-min(c + 1, 2s), at their own positions instead): a decode step rotates only its query, at its three
-positions, and its new key, and attends the three parts in three calls.
-
-Qwen2.5-1M checkpoints carry `dual_chunk_attention_config` in config.json (chunk_size,
-local_size, original_max_position_embeddings), which transformers ignores: `rope_ext.patch(model,
-"dca", factor=...)` takes chunk_size and local_size from it, and the family adapter takes the
-trained window from original_max_position_embeddings (docs/dca.md); `rope_ext.method.stated` reads
-and checks each.
+the three parts in one softmax (the paper's Fig. 2 clamps at c - 1; the code and both engines at c).
+A query below min(c + 1, 2s) meets every key at its true distance and attends as the unpatched
+model. `temperature` is the engines' length temperature, logits times t(n)^2 with t(n) =
+max(1, 0.1 ln(n / L) + 1); `causal` says whether n is the length each query has seen (True) or the
+forward's (the engines' prefill). Qwen2.5-1M's `dual_chunk_attention_config` gives the sizes and
+turns the temperature on (rope_ext.method.stated). Parameters and measurements: docs/dca.md; how it
+runs: docs/concepts.md, "How the attention-side methods run".
 """
 
 from __future__ import annotations
@@ -66,18 +37,18 @@ from .base import ModelFacts, Param
 from .stated import CONFIG_KEY, stated_sizes
 
 NAME = "dca"
-# chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
-PARAMS = (
-    Param("chunk_size", None, "size", lo=2, none="the default", doc="c: the chunk, at most the trained window"),
-    Param("local_size", None, "size", lo=1, none="the default", doc="local: c - local is the chunk's stride s"),
-    Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
-)
 SUMMARY = "Dual Chunk Attention: intra-, successive- and inter-chunk positions in one softmax, Qwen's length temperature"
 FORMULA = (
     "keys at j mod s; query at i mod s (same chunk), min(i mod s + s, c) (previous chunk), min(2s-1, c) (earlier); "
     "s = c - local; temperature: logits x max(1, 0.1 ln(n/L) + 1)^2"
 )
 LOCAL_FRACTION = 16  # local_size defaults to c / 16, ChunkLlama's choice (Qwen's configs state c / 32)
+# chunk_size >= 2: local_size >= 1 and a chunk of chunk_size - local_size >= 1 tokens
+PARAMS = (
+    Param("chunk_size", None, "size", lo=2, doc="c: the chunk, at most the trained window"),
+    Param("local_size", None, "size", lo=1, doc="local: c - local is the chunk's stride s"),
+    Param("temperature", None, "bool", doc="Qwen's length temperature; None: as the checkpoint's config states"),
+)
 
 
 @dataclass(frozen=True)
@@ -220,18 +191,11 @@ class DualChunkMethod(AttentionMethod):
     decide it, whether that config states original_max_position_embeddings; the attention is
     `DualChunkAttention`."""
 
+    takes_query_scales: bool = True
+    # `causal` chooses the length n of the temperature; with it off, n plays no part
+    switches: str | None = "Qwen's length temperature"
     transform: ClassVar[type] = DualChunkAttention
     chooses_keys: ClassVar[bool] = True
-
-    def stale_record(self, params: dict) -> str | None:
-        if "temperature" in params:
-            return None
-        return (
-            "dca was recorded by a rope-ext that clamped the successive- and inter-chunk query positions at "
-            "chunk_size - 1 (the paper's figure); dca now computes the released code's maps (min(i mod s + s, c), "
-            "min(2s - 1, c)) and Qwen's temperature, which would change this checkpoint's logits: patch the base "
-            "model again with dca (docs/dca.md)"
-        )
 
     def by_forward(self, params: dict) -> str | None:
         # without the temperature (False; None is decided by the model's config) n plays no part
@@ -239,7 +203,7 @@ class DualChunkMethod(AttentionMethod):
             return "takes n, the length of Qwen's temperature, from each forward (the engines' prefill takes the whole prompt's)"
         return None
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
         stated = stated_sizes(facts.config.get(CONFIG_KEY))
         chunk = params["chunk_size"] or stated.get("chunk_size") or trained
@@ -263,5 +227,4 @@ class DualChunkMethod(AttentionMethod):
         return factor, {**params, "chunk_size": int(chunk), "local_size": int(local), "temperature": temperature}
 
 
-# `causal` chooses the length n of the temperature; with it off, n plays no part
-METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=PARAMS, takes_query_scales=True, switches="Qwen's length temperature")
+METHOD = DualChunkMethod(NAME, SUMMARY, FORMULA, params=PARAMS)

@@ -2,47 +2,19 @@
 Extrapolation via Dimension-Wise Positional Embeddings Manipulation", arXiv 2504.18857; reference
 code LuLuLuyi/DPE, dpe_for_llama.py), training-free.
 
-RoPE's D/2 frequency pairs are split into G equal groups of consecutive pairs, group 0 the fastest
-(the authors' `dimension_groups_range` [0, 8, ..., 64] indexes the pairs from the first, whose
-frequency is 1). Each group g has its own scale s_g. For a query at position i and a key at
-position j <= i, with local window W:
+RoPE's D/2 frequency pairs are split into G equal groups of consecutive pairs, group 0 the fastest,
+each with its own scale s_g. For a query at position i and a key at position j <= i, with local
+window W:
 
     i - j <  W:  the usual positions i and j, in every group                        (local window)
     i - j >= W:  in group g, key floor(j/s_g), query floor(i/s_g) + W - floor(W/s_g)  (scaled)
 
-both kinds of logits in one softmax (the reference code merges two flash-attention calls by their
-log-sum-exp). With one group this is SelfExtend's grouped attention (rope_ext.method.self_extend)
-with group s. A key at distance exactly W meets the query at W when s_g divides W (the authors'
-W = 1024 and scales are powers of two); the reference code's prefill adds W - W/s_g (true
-division) where its decode step adds W - floor(W/s_g), so the two agree only there; this method
-uses the floor everywhere, so prefill and decoding agree for every scale.
-
-Which queries use the scaled positions: the reference code scales every query from position W on,
-inside the trained window too (`inside_window=True`). By default only queries past the trained
-window L do (a query at position i >= L), so inside the window the model is the unpatched one bit
-for bit and the patch only acts where the model has no trained positions of its own. Either way a
-query's positions follow from its own position alone, so one forward, chunked prefill and
-token-by-token decoding give the same numbers.
-
-Parameters:
-
-- `scales`: one int >= 1 per group, or the name of a preset (PRESETS). G must divide D/2. None
-  (the default): one group, the smallest scale whose distances stay inside the trained window at
-  the length the patch is meant for (self_extend's "reach" rule), i.e. SelfExtend; `rope-ext
-  dpe-probe` measures each group's own scale.
-- `window`: W, default L / 8 (the authors' 1024 for Llama-3-8B's 8192).
-- `inside_window`: scale from position W on, as the reference code does.
-- `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length); the
-  scales do not depend on it, the default scale does.
-
-Not here: the reference code's optional selection of the top-k "key dimensions" by their q/k
-2-norm contribution (`select_topk_dim`, off in its README's quick start), which needs a per-layer,
-per-head calibration file; every dimension of a group is scaled.
-
-How it runs: the two-part engine (rope_ext.method.attention_side.TwoPartAttention), with grouped
-position maps (TwoPartMethod.grouped): queries and keys are rotated to their own positions and to
-their scaled ones, one position per frequency group, in one rotation each; a DynamicCache's keys
-are kept rotated in two copies, so a decode step rotates only its query and its new key.
+both kinds of logits in one softmax; with one group this is self_extend with group s. The floor is
+used in prefill and decoding alike (the reference code's prefill divides W exactly), so the two
+agree for every scale. By default only queries past the trained window use the scaled positions
+(`inside_window=True`: from W on, as the reference code). The reference code's top-k "key
+dimensions" selection is not here. Parameters, presets and measurements: docs/dpe.md; how it runs:
+docs/concepts.md, "How the attention-side methods run".
 """
 
 from __future__ import annotations
@@ -55,9 +27,8 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .attention_side import TwoPartMethod
+from .attention_side import TwoPartMethod, reaching_group
 from .base import ModelFacts, Param
-from .self_extend import choose_group
 
 NAME = "dpe"
 SUMMARY = "DPE: exact positions for neighbours; distant keys at positions scaled per group of RoPE dimensions"
@@ -77,7 +48,7 @@ PARAMS = (
         presets=tuple(PRESETS.items()),
         doc="one per group of frequency pairs",
     ),
-    Param("window", None, "size", lo=1, none="the default", doc="W: keys within W tokens keep their positions"),
+    Param("window", None, "size", lo=1, doc="W: keys within W tokens keep their positions"),
     Param("inside_window", False, "bool", doc="queries inside the trained window attend in two parts too"),
 )
 
@@ -96,12 +67,12 @@ class DpeMethod(TwoPartMethod):
 
     grouped: ClassVar[bool] = True
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained, pairs = geometry.original_window, geometry.rotary_dim // 2
         window = max(1, trained // WINDOW_FRACTION) if params["window"] is None else params["window"]
         if window >= trained:
             raise ValueError(f"{NAME}: the local window ({window}) must be smaller than the trained window ({trained})")
-        scales = params["scales"] or [choose_group(trained, math.ceil(trained * factor), window, "reach")]
+        scales = params["scales"] or [reaching_group(trained, math.ceil(trained * factor), window)]
         if pairs % len(scales):
             raise ValueError(
                 f"{NAME}: {len(scales)} scales do not split this model's {pairs} frequency pairs (rotary dim "

@@ -1,5 +1,5 @@
 """rerope: ReRoPE and Leaky ReRoPE (Jianlin Su 2023, "Transformer Upgrade Road 12: ReRoPE with
-Infinite Extrapolation", kexue.fm/archives/9708; reference code in github.com/bojone/rerope),
+Infinite Extrapolation", kexue.fm/archives/9708; reference code github.com/bojone/rerope),
 training-free.
 
 For a query at position i and a key at position j <= i, with neighbour window w and leak k > 1:
@@ -8,42 +8,11 @@ For a query at position i and a key at position j <= i, with neighbour window w 
     i - j >= w:  relative distance w + (i - j - w) / k      (Leaky ReRoPE)
                  relative distance w                        (ReRoPE, k = infinity)
 
-and both kinds of logits share one softmax. This is SelfExtend's two-part attention
-(rope_ext.method.self_extend) without the floor: distant keys sit at j / k and the query at
-i / k + w - w / k (ReRoPE: the keys at 0, the query at w). Positions are fractional; RoPE angles
-take them as they are (computed in fp32, rope_ext.rotation.cos_sin).
-
-ReRoPE's largest distance is w at any length, so it reaches every length. Leaky ReRoPE's largest
-distance at N tokens is w + (N - 1 - w) / k (the last query and the first key); it stays within
-the trained distances 0 .. L - 1 up to a capacity of floor(w + 1 + k (L - 1 - w)) tokens, L the
-trained window.
-
-Parameters:
-
-- `window` (w): defaults to L / 4, the window of the measurement in the README of bojone/rerope
-  (ReRoPE-w1024 on LLaMA-2, L = 4096; the patches there set 512). It must be below L.
-- `leak` (k): None (the default) is ReRoPE; a number > 1 is Leaky ReRoPE with that leak;
-  "auto" is Leaky ReRoPE with the smallest integer k >= 2 whose largest distance at
-  N = ceil(factor x L) stays within L - 1, i.e. k = max(2, ceil((N - 1 - w) / (L - 1 - w)))
-  (bojone/rerope's Leaky ReRoPE patch sets k = 16 for a 4096-token window).
-- `causal`: as self_extend. True (the default): a query that has seen at most L tokens attends
-  exactly as the unpatched model, so everything inside the trained window is unchanged and one
-  forward, chunked prefill and token-by-token decoding give the same numbers. False: every query
-  of a forward that goes past the window takes the rectified distances, as Su's patches do at
-  every length. `granularity` does not apply.
-- `logn`: True multiplies queries past L by log(i + 1) / log(L), as Su's patches also do (Qwen's
-  log-n scale, docs/logn.md); False (the default) keeps the model's logit scale.
-
-Meaning of `factor`: the length the patch is meant for, as a multiple of L (PatchInfo.max_length).
-ReRoPE attends the same way at any length, so its factor only sets max_length, and ReRoPE needs
-one. Leaky ReRoPE with a leak and no factor is meant for its capacity (factor = capacity / L);
-with both, the factor must not exceed the capacity; leak="auto" needs a factor.
-
-How it runs: as self_extend, by the two-part engine (rope_ext.method.attention_side) with the
-distant positions above in place of the grouped ones: rows inside the window through the model's own backend,
-rows past it in attention calls of the model's head size merged by log-sum-exp. A DynamicCache's
-keys are kept rotated to their own and to their rectified positions (two copies of the key cache,
-rope_ext.attention.rotate.RotatedKeys): a decode step rotates only its query and its new key.
+both kinds of logits in one softmax: SelfExtend's two-part attention without the floor, distant
+keys at j / k and the query at i / k + w - w / k (ReRoPE: keys at 0, the query at w), fractional
+positions. ReRoPE reaches every length; Leaky ReRoPE stays within the trained distances up to
+floor(w + 1 + k (L - 1 - w)) tokens (`capacity`). Parameters, `factor` and measurements:
+docs/rerope.md; how it runs: docs/concepts.md, "How the attention-side methods run".
 """
 
 from __future__ import annotations
@@ -64,16 +33,14 @@ SUMMARY = "ReRoPE / Leaky ReRoPE: exact distances inside a window, w + (d - w)/k
 FORMULA = "i-j < w: distance i-j; else w + (i-j-w)/k (leak k), or w (ReRoPE, leak None); one softmax"
 AUTO = "auto"  # leak: the smallest integer leak that reaches the factor
 PARAMS = (
-    Param("window", None, "size", lo=1, none="the default", doc="w: distances below it are exact"),
+    Param("window", None, "size", lo=1, doc="w: distances below it are exact"),
     Param(
         "leak",
         None,
         lo=1,
         lo_open=True,
         hi=MAX_FACTOR,
-        none="ReRoPE",
         words=(AUTO,),
-        phrase="a finite number {lower} and {upper}",
         doc="leak=None is ReRoPE, the limit of a large leak",
     ),
 )
@@ -121,7 +88,11 @@ class ReRoPEMethod(TwoPartMethod):
     positions: keys at j / k and queries at i / k + w - w / k (fp32, fractional), or keys at 0 and
     queries at w for ReRoPE."""
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    factor_required: bool = False
+    takes_query_scales: bool = True
+    switches: str | None = "rectified distances"
+
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         """(factor, params with the window and, for leak="auto", the leak filled in); ValueError,
         changing nothing, when they do not fit the model's window."""
         trained = geometry.original_window
@@ -168,13 +139,4 @@ class ReRoPEMethod(TwoPartMethod):
         return k_pos.float() / leak
 
 
-METHOD = ReRoPEMethod(
-    NAME,
-    SUMMARY,
-    FORMULA,
-    params=PARAMS,
-    constraints=CONSTRAINTS,
-    factor_required=False,
-    takes_query_scales=True,
-    switches="rectified distances",
-)
+METHOD = ReRoPEMethod(NAME, SUMMARY, FORMULA, params=PARAMS, constraints=CONSTRAINTS)

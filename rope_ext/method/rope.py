@@ -25,7 +25,7 @@ import torch
 
 from rope_ext.geometry import RotaryGeometry
 
-from .base import MAX_ATTENTION_FACTOR, MAX_FACTOR, Method, ModelFacts, Ordered, Param, default_inv_freq
+from .base import MAX_ATTENTION_FACTOR, MAX_FACTOR, Method, ModelFacts, Ordered, Param, default_inv_freq, with_defaults
 
 
 def ntk_base(geom: RotaryGeometry, scale: float) -> float:
@@ -70,10 +70,13 @@ def _correction_dim(geom: RotaryGeometry, rotations: float) -> float:
     return (geom.rotary_dim * math.log(geom.original_window / (rotations * 2 * math.pi))) / (2 * math.log(geom.base))
 
 
-def _by_parts(geom: RotaryGeometry, factor: float, beta_fast: float, beta_slow: float, truncate: bool) -> torch.Tensor:
+def _by_parts(
+    geom: RotaryGeometry, factor: float, *, beta_fast: float = 32.0, beta_slow: float = 1.0, truncate: bool = True
+) -> torch.Tensor:
     """YaRN's frequency blend: pairs that rotate more than beta_fast times in the window keep
     their frequency, pairs that rotate less than beta_slow times are interpolated by the factor,
-    with a linear ramp between."""
+    with a linear ramp between; `truncate` rounds the ramp's ends to whole pairs. The ramp's
+    defaults are those of yarn, ntk_by_parts and dynamic_yarn, which pass their `**ramp` here."""
     d = geom.rotary_dim
     low = _correction_dim(geom, beta_fast)
     high = _correction_dim(geom, beta_slow)
@@ -93,18 +96,16 @@ def yarn(
     seq_len: int | None = None,
     *,
     factor: float,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
     attention_factor: float | None = None,
-    truncate: bool = True,
     mscale: float | None = None,
     mscale_all_dim: float | None = None,
+    **ramp,
 ) -> tuple[torch.Tensor, float]:
     """YaRN: NTK-by-parts frequencies plus the attention temperature. DeepSeek's convention
     (`mscale` and `mscale_all_dim`, both set) puts mscale(s, mscale) / mscale(s, mscale_all_dim) on
     cos and sin; the model's attention multiplies its softmax scale by mscale(s, mscale_all_dim)^2,
     which reaches every channel of q.k (transformers' deepseek_v3, as the checkpoint ships)."""
-    inv_freq = _by_parts(geom, factor, beta_fast, beta_slow, truncate)
+    inv_freq = _by_parts(geom, factor, **ramp)
     if attention_factor is not None:
         return inv_freq, attention_factor
     if mscale and mscale_all_dim:
@@ -112,28 +113,12 @@ def yarn(
     return inv_freq, yarn_mscale(factor)
 
 
-def ntk_by_parts(
-    geom: RotaryGeometry,
-    seq_len: int | None = None,
-    *,
-    factor: float,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    truncate: bool = True,
-) -> tuple[torch.Tensor, float]:
+def ntk_by_parts(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float, **ramp) -> tuple[torch.Tensor, float]:
     """YaRN's frequency ramp without its temperature."""
-    return _by_parts(geom, factor, beta_fast, beta_slow, truncate), 1.0
+    return _by_parts(geom, factor, **ramp), 1.0
 
 
-def dynamic_yarn(
-    geom: RotaryGeometry,
-    seq_len: int | None = None,
-    *,
-    factor: float,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    truncate: bool = True,
-) -> tuple[torch.Tensor, float]:
+def dynamic_yarn(geom: RotaryGeometry, seq_len: int | None = None, *, factor: float, **ramp) -> tuple[torch.Tensor, float]:
     """YaRN with s = max(1, L'/L) recomputed as the length grows.
 
     `factor` does not enter the math: as in the YaRN paper the scale follows the length. It states
@@ -141,7 +126,7 @@ def dynamic_yarn(
     scale = 1.0 if seq_len is None else max(1.0, seq_len / geom.original_window)
     if scale == 1.0:
         return default_inv_freq(geom), 1.0
-    return _by_parts(geom, scale, beta_fast, beta_slow, truncate), yarn_mscale(scale)
+    return _by_parts(geom, scale, **ramp), yarn_mscale(scale)
 
 
 def llama3(
@@ -238,16 +223,16 @@ def _native_yarn(geometry, factor, params, rope):
     return {"rope_type": "yarn", "factor": factor, **_base(geometry, rope), **_window(geometry), **_ramp(params), **temperature}
 
 
-# YaRN's ramp: pairs that turn more than beta_fast times in the window keep their frequency, fewer
-# than beta_slow are interpolated, with a linear ramp between (`_by_parts`)
-_YARN_PARAMS = (
-    Param("beta_fast", 32.0, doc="rotations in the window above which a pair keeps its frequency"),
-    Param("beta_slow", 1.0, doc="rotations in the window below which a pair is interpolated"),
-    Param("truncate", True, "bool", doc="round the ramp's ends to whole pairs, as transformers does"),
+# YaRN's ramp (`_by_parts`, whose signature states their defaults)
+_YARN_PARAMS = with_defaults(
+    _by_parts,
+    Param("beta_fast", doc="rotations in the window above which a pair keeps its frequency"),
+    Param("beta_slow", doc="rotations in the window below which a pair is interpolated"),
+    Param("truncate", kind="bool", doc="round the ramp's ends to whole pairs, as transformers does"),
 )
 _YARN_ORDER = (Ordered(("beta_fast", "beta_slow")),)
 # the cos and sin scale that replaces YaRN's temperature, where given; it scales logits by its square
-ATTENTION_FACTOR = Param("attention_factor", None, lo=0, lo_open=True, hi=MAX_ATTENTION_FACTOR, phrase="in {interval}")
+ATTENTION_FACTOR = Param("attention_factor", None, lo=0, lo_open=True, hi=MAX_ATTENTION_FACTOR)
 
 METHODS = [
     RopeMethod(
@@ -341,7 +326,6 @@ METHODS = [
                 required=True,
                 lo=1,
                 hi=MAX_FACTOR,
-                phrase="a finite number {lower} and {upper}",
                 doc="the base becomes base * alpha^(D/(D-2))",
             ),
         ),
@@ -356,14 +340,13 @@ METHODS = [
         proportional,
         "p-RoPE (Gemma 4's proportional): the lowest frequencies set to 0, the rest / s",
         "theta_i / s for i < p D/2, else 0",
-        params=(
+        params=with_defaults(
+            proportional,
             Param(
                 "partial_rotary_factor",
-                0.25,
                 lo=0,
                 lo_open=True,
                 hi=1,
-                phrase="in {interval}",
                 doc="the share of the head's frequencies that keep turning",
             ),
         ),
@@ -379,9 +362,10 @@ METHODS = [
         llama3,
         "Llama 3.1 wavelength-banded scaling",
         "theta_i if lambda < L/hf; theta_i/s if lambda > L/lf; smooth blend between",
-        params=(
-            Param("low_freq_factor", 1.0, doc="wavelengths above L / low_freq_factor are divided by the factor"),
-            Param("high_freq_factor", 4.0, doc="wavelengths below L / high_freq_factor keep their frequency"),
+        params=with_defaults(
+            llama3,
+            Param("low_freq_factor", doc="wavelengths above L / low_freq_factor are divided by the factor"),
+            Param("high_freq_factor", doc="wavelengths below L / high_freq_factor keep their frequency"),
         ),
         constraints=(Ordered(("high_freq_factor", "low_freq_factor")),),
         native_fn=lambda g, factor, params, rope: {

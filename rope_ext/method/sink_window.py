@@ -2,34 +2,16 @@
 Streaming Language Models with Attention Sinks"; LM-Infinite, Han et al. 2024), training-free.
 
 A query at position i attends the first s keys (the sinks) and the last w keys, j > i - w, and
-nothing in between; both share one softmax. Positions follow StreamingLLM's positions inside its
-cache, where the sinks sit at 0 .. s-1 and the query at s + w - 1 at most:
+nothing in between, in one softmax, at StreamingLLM's positions inside its cache:
 
     window key j (i - j < w):    distance i - j                        (its true distance)
     sink key j (j < s):          distance min(i, s + w - 1) - j         (key at j, query at min(i, s + w - 1))
 
-With s + w at most the trained window L, no distance exceeds s + w - 1 < L. A query at a position
-below s + w sees every earlier key at its true distance: such queries attend exactly as the
-unpatched model (bit for bit); with the defaults (s = 4, w = L - s) that is every query that has
-seen at most L tokens. Tokens outside the sinks and the window are not attended at all: text past
-the window is not retrievable.
-
-The rotary frequencies stay the trained ones. The KV cache holds keys before rotation (the
-mechanism of the dynamic methods, rope_ext.rotary), so one forward, chunked prefill and
-token-by-token decoding give the same numbers. Through rope_ext.chunked (chunked_forward,
-chunked_nll, chunked_generate and the evals' --chunk-size) the cache is a `SinkWindowCache`: after
-each step it keeps the sinks and the last w - 1 keys, the only ones a later query can see
-(StreamingLLM's rolling cache), so memory stays the same at any input length and each token costs
-the same time. A DynamicCache (what `model.generate` builds by itself) keeps every key and gives
-the same numbers.
-
-How it runs: queries below s + w attend through the model's own backend. The others attend the
-sinks in one call (query at s + w - 1) and their window as calls without a mask
-(rope_ext.attention.window_parts: blocks of w rows, each its own keys causally and the triangle of
-earlier ones reversed), merged by log-sum-exp (rope_ext.attention.merge_by_lse). No mask and no
-[S, S] tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
-(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys), so a decode step rotates only
-its query and its new key; a SinkWindowCache's, at most sinks + window, are rotated at each forward.
+With s + w at most the trained window L no distance exceeds s + w - 1; a query below s + w attends
+as the unpatched model, and tokens outside the sinks and the window are not attended at all.
+`SinkWindowCache` keeps only what a later query can see (StreamingLLM's rolling cache), so memory
+stays the same at any length. Parameters and measurements: docs/local_attention.md; how it runs:
+docs/concepts.md, "How the attention-side methods run".
 """
 
 from __future__ import annotations
@@ -48,12 +30,12 @@ from .attention_side import AttentionMethod
 from .base import ModelFacts, Param
 
 NAME = "sink_window"
-PARAMS = (
-    Param("sinks", 4, "size", lo=0, doc="the first keys every query attends; 4: StreamingLLM's choice"),
-    Param("window", None, "size", lo=1, none="the default", doc="the last keys a query attends; None: L - sinks"),
-)
 SUMMARY = "local attention with attention sinks: the first s keys and the last w, no distance past s + w - 1"
 FORMULA = "keys j < s at distance min(i, s+w-1) - j; keys i-w < j <= i at i - j; others not attended"
+PARAMS = (
+    Param("sinks", 4, "size", lo=0, doc="the first keys every query attends; 4: StreamingLLM's choice"),
+    Param("window", None, "size", lo=1, doc="the last keys a query attends; None: L - sinks"),
+)
 
 
 class SinkWindowLayer(DynamicLayer):
@@ -229,7 +211,7 @@ class SinkWindowMethod(AttentionMethod):
     transform: ClassVar[type] = SinkWindowAttention
     chooses_keys: ClassVar[bool] = True
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float, params: dict) -> tuple[float, dict]:
         trained, sinks = geometry.original_window, params["sinks"]
         if sinks >= trained:
             raise ValueError(f"{NAME}: sinks must be below the trained window {trained}, got {sinks}")

@@ -1,40 +1,23 @@
 """string: STRING, shifted rotary position embedding (An et al. 2025, "Why Does the Effective Context
 Length of LLMs Fall Short?", ICLR; reference code HKUNLP/STRING), training-free.
 
-Models are trained on far fewer long distances than short ones, so the largest distances they
-were trained on are the ones they use worst. STRING drops them: for a query at position i and a
-key at position j <= i, with shift S and local window W,
+For a query at position i and a key at position j <= i, with shift S and local window W:
 
     i - j <  S:  relative distance i - j                  (the usual RoPE)
     i - j >= S:  relative distance i - j - S + W          (query at i - S + W, key at j)
 
-both parts in one softmax. Distances S .. L - 1, the least trained, are no longer used past W + (L -
-1 - S); the well-trained small distances are used twice. Defaults from the paper: S = int(0.33 N)
-(N the length the patch is meant for; "0.25 to 0.4" of it) and W = 128 (S / 2 where S is
-smaller, in models with a small window).
-
-Inside the trained window (no factor, or factor 1: N = L) the frequencies are the trained ones, and a
-sequence shorter than S is the unpatched model's, bit for bit. To reach N > L the largest distance,
-N - 1 - S + W, would leave the trained range; the authors then run STRING over YaRN with factor
-(N / L)(1 - S / N) = (N - S) / L (2.68 at N = 4L with S = 0.33 N), as in their Qwen2 runs, and so does
-this method (its frequencies are yarn's, rope_ext.method.rope).
-
-`temperature=True` multiplies cos and sin by TEMPERATURE for queries and keys, so every logit by
-its square, as the reference code does at every length; the paper does not state it, so it is off
-by default.
-
-How it runs: the two-part engine of self_extend and rerope (rope_ext.method.attention_side), with
-the near window S and the distant positions above. Queries below S attend through the model's own
-backend at their own positions; a query's positions depend only on its own position, so one forward,
-chunked prefill and token-by-token decoding give the same numbers. Keys stay at their own positions
-in both parts: a DynamicCache's keys are kept rotated between forwards in one copy of the key cache
-(rope_ext.attention.rotate.RotatedKeys), and a decode step rotates only its query and its new key.
+both parts in one softmax, so the least trained distances S .. L - 1 give way to well-trained small
+ones. Defaults from the paper: S = int(0.33 N), N the length the patch is meant for, and W = 128 (S / 2
+where S is smaller). Past the trained window the frequencies are YaRN's at (N - S) / L, as in the
+authors' runs; `temperature=True` scales cos and sin by the reference code's TEMPERATURE. Parameters
+and measurements: docs/string.md; how it runs: docs/concepts.md, "How the attention-side methods
+run".
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -42,20 +25,20 @@ import torch
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import TwoPartMethod
-from .base import ModelFacts, Param, default_inv_freq
+from .base import FrequencyFn, ModelFacts, Param, default_inv_freq
 from .rope import yarn
 
 NAME = "string"
-PARAMS = (
-    Param("shift", None, "size", lo=1, none="the default", doc="S: distances from S on move down to S - W"),
-    Param("local", None, "size", lo=0, none="the default", doc="W: what the shift moves distance S to"),
-    Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
-)
 SUMMARY = "STRING: distances past the shift S replaced by well-trained ones, d - S + W (over YaRN past the window)"
 FORMULA = "i-j < S: distance i-j; else i-j-S+W (query at i-S+W); one softmax; frequencies yarn((N-S)/L) when N - S > L"
 SHIFT_FRACTION = 0.33  # of N, the paper's default (An et al. 2025, section 4)
 LOCAL = 128  # W, the paper's default
 TEMPERATURE = 1.0693  # cos/sin scale of HKUNLP/STRING's code for queries and keys
+PARAMS = (
+    Param("shift", None, "size", lo=1, doc="S: distances from S on move down to S - W"),
+    Param("local", None, "size", lo=0, doc="W: what the shift moves distance S to"),
+    Param("temperature", False, "bool", doc="cos and sin times TEMPERATURE, as the authors' code"),
+)
 
 
 def string_frequencies(geom: RotaryGeometry, seq_len=None, *, factor: float, shift: int, local: int, temperature: bool):
@@ -72,9 +55,12 @@ class StringMethod(TwoPartMethod):
     """STRING's shift and local window, as the two-part engine's near window and distant positions.
     A factor is optional: without one (or with 1) the patch is for the trained window itself."""
 
+    fn: FrequencyFn = field(default=string_frequencies, kw_only=True)
+    factor_required: bool = False
+    factor_one: bool = True
     distant_keys_own: ClassVar[bool] = True  # only the query moves: one kept copy of the keys
 
-    def derive(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
+    def resolve(self, facts: ModelFacts, geometry: RotaryGeometry, factor: float | None, params: dict) -> tuple[float, dict]:
         trained = geometry.original_window
         factor = 1.0 if factor is None else float(factor)
         target = math.ceil(trained * factor)
@@ -109,4 +95,4 @@ class StringMethod(TwoPartMethod):
         return k_pos
 
 
-METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=PARAMS, fn=string_frequencies, factor_required=False, factor_one=True)
+METHOD = StringMethod(NAME, SUMMARY, FORMULA, params=PARAMS)

@@ -54,7 +54,8 @@ def test_listed_parameters_are_the_ones_a_method_takes(name, causal):
 def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path, name, params):
     ids = torch.randint(0, 97, (1, 150), generator=torch.Generator().manual_seed(0))
     model = random_model("llama")
-    info = rope_ext.patch(model, name, factor=2.5 if name in ("dca", "sink_window") else None, **params)
+    taken = {k: v for k, v in params.items() if k in rope_ext.methods()[name]["params"]}
+    info = rope_ext.patch(model, name, factor=2.5 if name in ("dca", "sink_window") else None, **taken)
     assert set(info.params) == set(rope_ext.methods()[name]["params"]) - {"factor"}
     with torch.no_grad():
         expected = model(ids).logits
@@ -74,8 +75,29 @@ def test_a_record_with_the_old_parameter_set_reloads_to_the_same_patch(tmp_path,
         ("dca", {"granularity": 4}, "granularity does not apply"),
         ("sink_window", {"granularity": 4}, "causal and granularity do not apply"),
         ("self_extend", {"group": 3, "granularity": 2}, "granularity does not apply"),
+        ("self_extend", {"group": 4, "granularity": 4}, "granularity does not apply"),
+        ("rerope", {"granularity": 4}, "granularity does not apply"),
+        ("sink_window", {"causal": False}, "causal and granularity do not apply"),
     ],
 )
-def test_an_old_schedule_parameter_away_from_its_default_is_refused(name, params, message):
-    with pytest.raises(ValueError, match=message):
+def test_an_old_schedule_parameter_away_from_its_default_is_refused(tmp_path, name, params, message):
+    """Read where records are read (rope_ext.record.migrated): a config record and a fine-tune record."""
+    model = random_model("llama")
+    rope_ext.patch(model, name, factor=2, **{k: v for k, v in params.items() if k in rope_ext.methods()[name]["params"]})
+    saved = record.read(model.config)
+    record.write(model.config, dataclasses.replace(saved, params={**saved.params, **params}))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"config.json: key rope_ext.params: {name}: {message}"):
+        rope_ext.from_pretrained(tmp_path)
+    record.write_finetune(tmp_path, "smollm2", dataclasses.replace(saved, params={**saved.params, **params}))
+    with pytest.raises(ValueError, match=f"rope_ext_finetune.json: key patch.params: {name}: {message}"):
+        record.read_finetune(tmp_path)
+    # the patch's own parameters take no schedule they do not apply
+    with pytest.raises(ValueError, match="unknown parameter"):
         rope_ext.patch(random_model("llama"), name, factor=2, **params)
+
+
+def test_a_fine_tune_record_with_the_old_parameter_set_reads_in_todays_terms(tmp_path):
+    saved = record.Patch("self_extend", 2.0, {"group": 3, "window": 16, **OLD_SCHEDULE}, {"original_window": 64})
+    record.write_finetune(tmp_path, "smollm2", saved)
+    assert record.read_finetune(tmp_path)[1].params == {"group": 3, "window": 16, "causal": True}

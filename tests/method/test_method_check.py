@@ -174,22 +174,21 @@ def test_the_parameters_a_method_requires_are_the_ones_its_params_declare():
 
 
 def test_no_method_checks_its_parameters_in_code_of_its_own():
-    """A method's parameters are Params and constraints, checked by Method.validate; AttentionMethod
-    only drops the schedule old records hold (records' compatibility) before it."""
-    from rope_ext.method.attention_side import AttentionMethod
+    """A method's parameters are Params and constraints, checked by Method.validate alone (what old
+    records hold is read in today's terms where records are read, rope_ext.record.migrated)."""
     from rope_ext.method.base import Method
 
-    assert {type(m).validate for m in methods.REGISTRY.values()} == {Method.validate, AttentionMethod.validate}
+    assert {type(m).validate for m in methods.REGISTRY.values()} == {Method.validate}
     assert all(type(m).accept_factor is Method.accept_factor for m in methods.REGISTRY.values())
 
 
 def test_a_param_states_its_kind_and_bounds_in_its_message():
-    from rope_ext.method.base import MAX_FACTOR, Param
+    from rope_ext.method.base import MAX_FACTOR, Param, checked
 
     bounded = Param("p", 1.0, lo=0, lo_open=True, hi=MAX_FACTOR)
-    assert bounded.check("m", 3) == 3 and Param("p", 1.0, "float").check("m", 3) == 3.0
+    assert checked(bounded, "m", 3) == 3 and checked(Param("p", 1.0, "float"), "m", 3) == 3.0
     with pytest.raises(ValueError, match=re.escape("m: p must be a finite number in (0, 1048576], got 0")):
-        bounded.check("m", 0)
+        checked(bounded, "m", 0)
     with pytest.raises(ValueError, match=re.escape("m: p must be None or one of 'a', got 'b'")):
-        Param("p", None, "choice", choices=("a",), none="plain").check("m", "b")
-    assert Param("p", None, "list", item=Param("i", kind="size"), sort=True).check("m", (3, 1)) == [1, 3]
+        checked(Param("p", None, "choice", choices=("a",)), "m", "b")
+    assert checked(Param("p", None, "list", item=Param("i", kind="size"), sort=True), "m", (3, 1)) == [1, 3]

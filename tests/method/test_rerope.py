@@ -241,7 +241,7 @@ def test_what_factor_window_and_leak_mean(tiny_model):
         ({"factor": 4, "window": 128}, "must be smaller than the trained window"),
         ({"factor": 4, "window": 127, "leak": "auto"}, "Leaky ReRoPE at window 127 reaches only 128 tokens"),
         ({"leak": 2, "window": 127}, "does not extend a 128-token window"),
-        ({"factor": 4, "granularity": 4}, "granularity does not apply"),
+        ({"factor": 4, "granularity": 4}, "unknown parameter"),  # a record's old schedule: tests/method/test_attention_side.py
         ({"factor": 4, "causal": "yes"}, "causal must be True or False"),
         ({"factor": 4, "group": 4}, "unknown parameter"),
         ({"factor": 4, "window": 2.5}, "must be an int"),

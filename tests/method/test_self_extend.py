@@ -199,7 +199,7 @@ def test_factor_group_and_window(tiny_model):
         ({"group": 1}, "group must be >= 2"),
         ({"group": 4, "window": 128}, "must be smaller than the trained window"),
         ({"factor": 8, "group": 4, "window": 32}, "reaches 416 tokens"),
-        ({"group": 4, "granularity": 4}, "granularity does not apply"),
+        ({"group": 4, "granularity": 4}, "unknown parameter"),  # a record's old schedule: tests/method/test_attention_side.py
         ({"group": 4, "beta_fast": 4}, "unknown parameter"),
         ({"group": 2.5}, "must be an int"),
         ({"factor": 4, "group_rule": "widest"}, "group_rule must be None or one of 'reach', 'authors'"),
