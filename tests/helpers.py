@@ -306,6 +306,16 @@ def registered(where=lambda method: True) -> list[str]:
     return [name for name, method in REGISTRY.items() if where(method)]
 
 
+def frequency_scaling(method) -> bool:
+    """The method changes the rotary frequencies alone (static, or following the length)."""
+    return not method.needs_attention_interface
+
+
+def takes_a_factor_alone(method) -> bool:
+    """The method needs no parameter beside the factor (not ntk_alpha's alpha, longrope's lists)."""
+    return not any(spec.required for spec in method.specs.values())
+
+
 def rotates_inside_attention(method) -> bool:
     return method.requires.rotation_in_attention
 

@@ -47,7 +47,7 @@ METHOD = HalvedMethod(
     NAME,
     "keys past a neighbour window at half their distance",
     "i-j < W: (i, j); else (floor(i/2) + W - floor(W/2), floor(j/2)); one softmax",
-    params=(Param("window", 16, "size", lo=1, doc="W: keys within W tokens keep their positions"),),
+    params=(Param("window", 24, "size", lo=1, doc="W: keys within W tokens keep their positions"),),
 )
 
 
@@ -76,7 +76,7 @@ def test_the_command_line_lists_and_knows_the_new_method(regenerated, capsys):
     assert f"\n{NAME:13} dynamic  keys past a neighbour window" in "\n" + capsys.readouterr().out
     assert cli.main(["methods", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert list(listed) == [*names.registered()] and listed[NAME]["params"] == {"factor": None, "window": 16}
+    assert list(listed) == [*names.registered()] and listed[NAME]["params"] == {"factor": None, "window": 24}
     assert names.unknown_method(NAME) is None
     assert "did you mean 'halved'" in names.unknown_method("halvd")
 
