@@ -25,7 +25,7 @@ def registered() -> tuple[str, ...]:
     return tuple(catalog())
 
 
-METHOD_NAMES = registered()  # as the command line starts
+METHOD_NAMES = registered()  # as this module loads (rope_ext.arguments keeps them); unknown_method reads them at each call
 
 
 # Methods rope-ext no longer has, with what to use instead (records and command lines that name them)
