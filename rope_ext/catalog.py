@@ -1,19 +1,41 @@
 """The registry's listing (`rope_ext.methods()`: name, summary, formula, parameters with their
 defaults, static or dynamic) as data shipped beside it, catalog.json, so that `rope-ext methods`
-answers without importing torch. tests/cli/test_cli.py checks that the file is the registry's listing;
-after a change to a method, `python -m rope_ext.catalog` writes it anew."""
+and the method names the command line checks (rope_ext.names) answer without importing torch.
+
+The file is generated from the registry (rope_ext.method), never written by hand: `stale` says
+when it is not the registry's listing, with the command that writes it anew (REGENERATE);
+tests/contract/test_new_method.py fails with that message."""
 
 from __future__ import annotations
 
 import json
 from importlib import resources
 
-FILE = "catalog.json"
+from rope_ext import names
+
+REGENERATE = "python -m rope_ext.catalog"
+
+
+def path():
+    return resources.files(__package__).joinpath(names.CATALOG)
 
 
 def read() -> dict[str, dict]:
     """The shipped listing, read without torch."""
-    return json.loads(resources.files(__package__).joinpath(FILE).read_text(encoding="utf-8"))
+    return names.catalog()
+
+
+def rendered(listing: dict[str, dict]) -> str:
+    """`listing` (the registry's, rope_ext.methods()) as catalog.json holds it."""
+    return json.dumps(listing, indent=1) + "\n"
+
+
+def stale(listing: dict[str, dict]) -> str | None:
+    """Why the shipped file is not `listing` (the registry's), with the command that writes it anew;
+    None when it is."""
+    if path().read_text(encoding="utf-8") == rendered(listing):
+        return None
+    return f"rope_ext/{names.CATALOG} is not the registry's listing (a method was added or changed): run `{REGENERATE}`"
 
 
 def text(listing: dict[str, dict]) -> str:
@@ -29,6 +51,5 @@ def text(listing: dict[str, dict]) -> str:
 if __name__ == "__main__":
     from rope_ext.patching import listing  # the registry, with torch: only to write the file
 
-    path = resources.files(__package__).joinpath(FILE)
-    path.write_text(json.dumps(listing(), indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
+    path().write_text(rendered(listing()), encoding="utf-8")
+    print(f"wrote {path()}")

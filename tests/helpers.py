@@ -4,8 +4,10 @@ checks and references that several test modules share."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import sys
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -290,8 +292,55 @@ def required_params(name: str, pairs: int) -> dict:
     return REQUIRED[name](pairs) if name in REQUIRED else {}
 
 
-def linear_glm(max_positions: int = 256):
-    """A converted ChatGLM2-6B-32K: a GLM whose checkpoint divides its positions by 4 (docs/chatglm.md)."""
+def patch_params(name: str, model) -> dict:
+    """required_params for `model`, its rotated pairs read off its rotary module's frequencies."""
+    pairs = next(buffer.numel() for key, buffer in model.named_buffers() if key.endswith("rotary_emb.inv_freq"))
+    return required_params(name, pairs)
+
+
+def registered(where=lambda method: True) -> list[str]:
+    """The registered methods for which `where(method)` holds, in the registry's order. A family test
+    parametrizes over these, filtered by what a method declares (its rotation, `requires`: what it
+    needs of a model), so a new method is tested wherever its declarations let it run."""
+    from rope_ext.method import REGISTRY
+
+    return [name for name, method in REGISTRY.items() if where(method)]
+
+
+def frequency_scaling(method) -> bool:
+    """The method changes the rotary frequencies alone (static, or following the length)."""
+    return not method.needs_attention_interface
+
+
+def takes_a_factor_alone(method) -> bool:
+    """The method needs no parameter beside the factor (not ntk_alpha's alpha, longrope's lists)."""
+    return not any(spec.required for spec in method.specs.values())
+
+
+def rotates_inside_attention(method) -> bool:
+    return method.requires.rotation_in_attention
+
+
+def computes_attention(method) -> bool:
+    return method.requires.own_attention
+
+
+@functools.cache
+def leaves_the_trained_window(name: str) -> bool:
+    """Whether `name` at factor 4 leaves the logits of a random LLaMA's trained window as they were,
+    bit for bit: what a family test then expects of it on that family too (string, which moves
+    distances past a shift inside the window, and longrope, whose short factors rescale it, do not)."""
+    model = random_model()
+    x = random_ids(WINDOW)
+    before = logits(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the window taken from the config alone, as every random model's
+        rope_ext.patch(model, name, factor=4, **patch_params(name, model))
+    return torch.equal(logits(model, x), before)
+
+
+def glm(rope_parameters: dict, max_positions: int = 256):
+    """A tiny GLM, which rotates half of each head, with these rope_parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
@@ -304,13 +353,33 @@ def linear_glm(max_positions: int = 256):
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        rope_parameters={**rope_parameters, "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         pad_token_id=0,
         eos_token_id=2,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def linear_glm(max_positions: int = 256):
+    """A converted ChatGLM2-6B-32K: a GLM whose checkpoint divides its positions by 4 (docs/chatglm.md)."""
+    return glm({"rope_type": "linear", "factor": 4.0}, max_positions)
+
+
+@functools.cache
+def takes_a_partial_rotation(name: str) -> bool:
+    """Whether `name` patches a model that rotates part of each head (a GLM): a family test expects
+    one that does not (proportional, which chooses which pairs of a whole head turn) to refuse such
+    a family too, naming itself."""
+    model = glm({"rope_type": "default"})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the window taken from the config alone
+            rope_ext.patch(model, name, factor=4, **patch_params(name, model))
+    except ValueError:
+        return False
+    return True
 
 
 def decode_logits(model, cache, ids) -> torch.Tensor:

@@ -1,5 +1,8 @@
-"""Every method `rope_ext.patch` accepts, by name. A new method is one module in this package
-(a `Method`, rope_ext.method.base) and one line here."""
+"""Every method `rope_ext.patch` accepts, by name: the one list of methods. A new method is one
+module in this package (a `Method`, rope_ext.method.base) and one line here; what lists methods
+elsewhere is generated from this registry (the catalog the command line reads without torch,
+rope_ext.catalog; docs/serving.md's table), and the tests that hold those say the command that
+writes them anew."""
 
 from __future__ import annotations
 

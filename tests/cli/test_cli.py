@@ -283,13 +283,6 @@ def test_the_choices_a_parser_names_without_torch_are_the_ones_that_run():
     assert convert_chatglm.ROPE_RATIO_MEANINGS == MEANINGS
 
 
-def test_the_method_names_known_without_torch_are_the_registered_ones():
-    import rope_ext
-    from rope_ext import names
-
-    assert names.METHOD_NAMES == tuple(rope_ext.methods())
-
-
 @pytest.mark.slow  # spawns an interpreter
 @pytest.mark.parametrize(
     "argv",

@@ -12,7 +12,9 @@ inside attention), checked on the tiny trained model (window 128) for each row o
   which changes nothing), a static cache, a padded batch where it needs one unpadded sequence; so
   is a missing factor or an unknown parameter, and a refused patch changes nothing.
 
-A new attention-side method adds a row. Each method's own maths (against its definition written out)
+Every registered method that computes attention itself runs each case: a method without a row of
+METHODS (a new one) with factor 4 (`row_of`), a row adding the parameters that matter to it. Each
+method's own maths (against its definition written out)
 and its parameter rules live in its own module (test_self_extend.py, test_dca.py, ...).
 """
 
@@ -32,6 +34,8 @@ from rope_ext.attention.rotate import RotatedKeys
 from helpers import (
     WINDOW,
     CountCalls,
+    computes_attention,
+    leaves_the_trained_window,
     assert_kept_keys_follow_the_cache,
     assert_refused_unchanged,
     assert_refuses_other_backends,
@@ -41,6 +45,7 @@ from helpers import (
     count_lse_calls,
     random_ids,
     random_model,
+    registered,
     set_chain,
 )
 
@@ -124,11 +129,34 @@ METHODS = [
 ]
 
 
+def row_of(name: str) -> Row:
+    """`name`'s row of METHODS, or for a registered method without one: factor 4 in every case
+    (inside the window where it leaves a LLaMA's trained window as it was), one unpadded sequence
+    where it chooses the keys each query attends by their positions."""
+    from rope_ext.method import REGISTRY
+
+    given = next((row for row in METHODS if row.name == name), None)
+    if given is not None:
+        return given
+    case = [{"factor": 4}]
+    inside = case if leaves_the_trained_window(name) else []
+    unpadded = REGISTRY[name].requires.keys_by_position
+    return Row(name, inside=inside, cached=case, decoded=case, decode_step=case, saved=case, unpadded=unpadded)
+
+
+def every_row() -> list[Row]:
+    return [row_of(name) for name in registered(computes_attention)]
+
+
+def test_every_row_is_a_registered_method_that_computes_attention():
+    assert {row.name for row in METHODS} <= set(registered(computes_attention))
+
+
 def cases(case: str, backends: list[str] | None = None, integration_on: tuple[str, ...] = ()) -> list:
     """pytest params (method, params[, backend]) for each row's parameters for `case`, on each backend;
     those on a backend in `integration_on` marked integration."""
     out = []
-    for row in METHODS:
+    for row in every_row():
         for params in getattr(row, case):
             name = "-".join([row.name, ",".join(f"{k}={v}" for k, v in params.items())])
             if backends is None:
@@ -140,7 +168,7 @@ def cases(case: str, backends: list[str] | None = None, integration_on: tuple[st
 
 
 def rows(where=lambda row: True) -> list:
-    return [pytest.param(row.name, id=row.name) for row in METHODS if where(row)]
+    return [pytest.param(row.name, id=row.name) for row in every_row() if where(row)]
 
 
 @pytest.fixture
@@ -183,7 +211,7 @@ def test_inside_any_window_it_is_the_unpatched_forward_over_those_tokens_bit_for
     promise = (Path(__file__).resolve().parents[2] / "docs" / "concepts.md").read_text()
     assert "bit for bit, those of the\nunpatched model's forward over those tokens alone" in promise
     x = random_ids(3 * window, seed=1)
-    for method in (*(row.name for row in METHODS if row.inside), "dynamic", "dynamic_yarn"):
+    for method in (*(row.name for row in every_row() if row.inside), "dynamic", "dynamic_yarn"):
         model = random_model(max_position_embeddings=window)
         with torch.no_grad():
             alone = model(x[:, :window]).logits
@@ -231,7 +259,7 @@ def test_a_decode_step_past_the_window_rotates_only_its_new_keys(tiny_model, hel
     tiny_model.set_attn_implementation(attn)
     info = rope_ext.patch(tiny_model, method, **params)
     ids = heldout_ids[None, : min(LENGTH, info.max_length)]  # at most the longest input the patch is meant for
-    parts = next(row.decode_parts for row in METHODS if row.name == method)
+    parts = row_of(method).decode_parts
     layers = tiny_model.config.num_hidden_layers
     counter = CountCalls()
     set_chain(tiny_model, [*tiny_model.model.layers[0].self_attn.rope_ext_attention.transforms, counter])
@@ -270,7 +298,8 @@ def count_rotated_rows(monkeypatch) -> dict:
 
 # The kept rotated keys follow the cache.
 
-# every attention-side method, past the window (and string past its shift, dca past its second chunk)
+# every attention-side method, past the window (and string past its shift, dca past its second chunk);
+# one without a case here at factor 4
 KEPT = [
     ("self_extend", {"factor": 4}),
     ("rerope", {"factor": 4}),
@@ -280,6 +309,7 @@ KEPT = [
     ("dca", {"factor": 4}),
     ("sink_window", {"factor": 4, "sinks": 2, "window": 50}),
 ]
+KEPT += [(name, {"factor": 4}) for name in registered(computes_attention) if name not in {kept for kept, _ in KEPT}]
 
 
 @pytest.mark.parametrize("end", [90, 300])  # inside the 128-token window, and past it

@@ -16,7 +16,19 @@ import rope_ext
 from rope_ext import loading
 from rope_ext.rotary import ExtendedRotaryEmbedding
 
-from helpers import DYNAMIC_METHODS, WINDOW, greedy, load_llama, logits, native_twin, random_ids, random_model
+from helpers import (
+    DYNAMIC_METHODS,
+    WINDOW,
+    frequency_scaling,
+    greedy,
+    load_llama,
+    logits,
+    native_twin,
+    random_ids,
+    random_model,
+    registered,
+    takes_a_factor_alone,
+)
 
 FAMILIES = ["llama", "mistral", "mixtral", "qwen2", "qwen3"]
 NATIVE = {
@@ -59,8 +71,8 @@ def test_patch_matches_native_transformers_bit_for_bit(family, method):
             assert torch.equal(logits(model, x), logits(native, x))
 
 
-# a specific set: the frequency scalings that take a factor alone (not every method; ntk_alpha and longrope need more)
-@pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
+# the frequency scalings that take a factor alone (not ntk_alpha nor longrope, which need more)
+@pytest.mark.parametrize("method", registered(lambda method: frequency_scaling(method) and takes_a_factor_alone(method)))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_unpatch_restores_the_model_exactly(method, attn):
     model = random_model(attn=attn)

@@ -24,7 +24,7 @@ from rope_ext.commands.convert_chatglm import add_arguments
 from rope_ext.patches.chatglm.convert import convert_chatglm, ratio_meaning_from_code, run
 from rope_ext.patches.chatglm.adapter import ChatGLMRotaryEmbedding, read_convention, reference_table
 
-from helpers import cli_error_line
+from helpers import cli_error_line, frequency_scaling, registered, takes_a_factor_alone, takes_a_partial_rotation
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "chatglm"
 WINDOW = 32  # the fixtures' seq_length
@@ -34,9 +34,11 @@ GENERATIONS = {
     "chatglm3": (50, "base", 500000.0, 1.0),
     "glm4": (50, "base", 500000.0, 1.0),
 }
-# A specific set, not every method: the frequency scalings that take a factor alone (ntk_alpha needs
-# alpha, longrope its lists) and run on GLM's half-rotated heads (proportional needs a fully rotated one).
-METHODS = ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"]
+# The frequency scalings that take a factor alone (not ntk_alpha, which needs alpha, nor longrope, its
+# lists) and run on GLM's half-rotated heads (not proportional, which needs a fully rotated one).
+METHODS = registered(
+    lambda method: frequency_scaling(method) and takes_a_factor_alone(method) and takes_a_partial_rotation(method.name)
+)
 TOL = 1e-4
 
 

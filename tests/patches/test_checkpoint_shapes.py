@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import required_params
+from helpers import computes_attention, leaves_the_trained_window, registered, required_params
 from test_census import WINDOW, check, ids, logits, tiny
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
@@ -311,7 +311,9 @@ def test_a_shipped_scaling_is_the_base_and_its_context_the_window(shape):
 
 
 @pytest.mark.parametrize("shape", ["llama-3.1", "qwen2.5-yarn"])
-@pytest.mark.parametrize("method", ["self_extend", "rerope", "dca", "sink_window"])
+@pytest.mark.parametrize(
+    "method", registered(lambda method: computes_attention(method) and leaves_the_trained_window(method.name))
+)
 def test_attention_side_methods_leave_the_shipped_model_inside_its_whole_window(shape, method):
     """At the full context the checkpoint serves (16x and 4x the pretraining window), not at 8 tokens."""
     model = model_of(shape)

@@ -12,7 +12,18 @@ import rope_ext
 from rope_ext.patches.probe import probe
 
 from test_census import WINDOW, check, ids, logits, tiny
-from helpers import load_llama
+from helpers import (
+    computes_attention,
+    leaves_the_trained_window,
+    load_llama,
+    patch_params,
+    registered,
+    rotates_inside_attention,
+)
+
+# Each case runs every registered method its declarations (rotation, requirements) select.
+INSIDE_ATTENTION = registered(rotates_inside_attention)
+COMPUTES_ATTENTION = registered(computes_attention)
 
 
 def test_nope_layers_are_found_and_left_alone():
@@ -22,9 +33,9 @@ def test_nope_layers_are_found_and_left_alone():
     assert not all(structure.rope) and any(structure.rope)
     x = ids(WINDOW)
     reference = logits(model, x)
-    for method in ("self_extend", "sink_window", "dca"):
+    for method in filter(leaves_the_trained_window, INSIDE_ATTENTION):
         patched = copy.deepcopy(model)
-        rope_ext.patch(patched, method, factor=4)
+        rope_ext.patch(patched, method, factor=4, **patch_params(method, patched))
         assert torch.equal(logits(patched, x), reference), method
 
 
@@ -82,11 +93,11 @@ def test_a_rotation_rope_ext_cannot_reproduce_takes_the_static_methods_only(mode
     model = tiny(model_type)
     x = ids(WINDOW)
     before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
-    for method in ("self_extend", "dynamic", "rerope"):
+    for method in INSIDE_ATTENTION:
         with pytest.raises(
             ValueError, match=f"{method} rotates queries and keys inside attention, and a rotation rope-ext cannot reproduce"
         ):
-            rope_ext.patch(model, method, factor=4)
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
         assert torch.equal(logits(model, x), before)
         assert model.config.to_dict() == config
     assert check(model, tmp_path, {}) is None
@@ -97,15 +108,15 @@ def test_attention_other_than_softmax_refuses_the_methods_that_compute_attention
     model = tiny(model_type)
     x = ids(WINDOW)
     before, config = logits(model, x), copy.deepcopy(model.config.to_dict())
-    for method in ("self_extend", "rerope", "sink_window", "dca"):
+    for method in COMPUTES_ATTENTION:
         # sink_window and dca refuse a model with sliding-window layers (gpt_oss, gemma2) first
         refusal = "the model's attention is not causal softmax attention|the model's layers attend through a sliding"
         with pytest.raises(ValueError, match=f"{method}: ({refusal})"):
-            rope_ext.patch(model, method, factor=4)
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
         assert torch.equal(logits(model, x), before)
         assert model.config.to_dict() == config
-    for method in ("yarn", "dynamic"):
-        rope_ext.patch(copy.deepcopy(model), method, factor=4)
+    for method in registered(lambda method: not computes_attention(method)):
+        rope_ext.patch(copy.deepcopy(model), method, factor=4, **patch_params(method, model))
 
 
 def test_a_native_form_the_model_reads_otherwise_is_not_written():
@@ -120,15 +131,15 @@ def test_the_attention_check_holds_in_half_precision(tiny_path, dtype):
     """The check compares attention in fp32: in bf16 scores of tens round by a tenth, which failed a
     plain LLaMA (SmolLM2 in bf16 was refused every attention-side method) and let Gemma 2's softcap pass."""
     model = load_llama(tiny_path).to(dtype)
-    for method in ("self_extend", "rerope", "string", "sink_window", "dca"):
-        rope_ext.patch(model, method, factor=4)
+    for method in COMPUTES_ATTENTION:
+        rope_ext.patch(model, method, factor=4, **patch_params(method, model))
         rope_ext.unpatch(model)
     softcapped = tiny("gemma2").to(dtype)
     with pytest.raises(ValueError, match="self_extend: the model's attention is not causal softmax attention"):
         rope_ext.patch(softcapped, "self_extend", factor=4)
 
 
-@pytest.mark.parametrize("method", ["dca", "sink_window"])
+@pytest.mark.parametrize("method", registered(lambda method: method.requires.keys_by_position))
 def test_a_sliding_window_key_the_architecture_never_applies_refuses_nothing(method):
     """A stray `sliding_window` on a LLaMA config, which LlamaAttention never reads (issue #51
     item 7): a forward past it shows every key attended, so the methods that choose keys by
@@ -139,5 +150,5 @@ def test_a_sliding_window_key_the_architecture_never_applies_refuses_nothing(met
     reference = random_model("llama")
     x = random_ids(3 * 64)
     for each in (model, reference):
-        rope_ext.patch(each, method, factor=4)
+        rope_ext.patch(each, method, factor=4, **patch_params(method, each))
     assert torch.equal(logits(model, x), logits(reference, x))

@@ -14,7 +14,7 @@ import rope_ext
 from rope_ext.patches.glm import position_geometry
 from rope_ext.method.rope import ntk_base
 
-from helpers import random_ids
+from helpers import frequency_scaling, random_ids, registered, takes_a_factor_alone, takes_a_partial_rotation
 
 WINDOW = 32
 DEFAULT = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
@@ -101,8 +101,13 @@ def test_dynamic_decode_equals_full_forward_past_the_window(method):
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-4
 
 
-# a specific set, as tests/patches/test_chatglm.py METHODS: the scalings that take a factor alone and run on half-rotated heads
-@pytest.mark.parametrize("method", ["linear", "ntk", "dynamic", "yarn", "dynamic_yarn", "ntk_by_parts", "llama3"])
+# as tests/patches/test_chatglm.py METHODS: the scalings that take a factor alone and run on half-rotated heads
+@pytest.mark.parametrize(
+    "method",
+    registered(
+        lambda method: frequency_scaling(method) and takes_a_factor_alone(method) and takes_a_partial_rotation(method.name)
+    ),
+)
 def test_unpatch_restores_the_model_exactly(method):
     model = glm("glm4")
     x = random_ids(3 * WINDOW, seed=1)

@@ -18,6 +18,7 @@ import torch
 import rope_ext
 from rope_ext.patches.probe import REASONS, probe
 
+from helpers import leaves_the_trained_window, registered
 from test_census import DECODE_TOLERANCE, WINDOW, decode_gap, equal_models, ids, logits, tiny, twin_of
 
 # Sliding layers that slide within the tests' lengths (their configs' windows are longer).
@@ -107,7 +108,8 @@ def test_patch_info_and_describe_name_the_patched_and_kept_layer_types():
     assert "layer_types" not in rope_ext.describe(llama)
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+# the methods whose frequencies follow the length and that leave the trained window as it was
+@pytest.mark.parametrize("method", registered(lambda method: method.follows_length and leaves_the_trained_window(method.name)))
 @pytest.mark.parametrize("model_type", ["gemma3_text", "modernbert-decoder"])
 def test_dynamic_methods_rotate_each_layer_type_with_its_own_frequencies(model_type, method):
     """Inside the window a dynamic method rotates by the trained frequencies: the sliding layers
@@ -170,7 +172,7 @@ def test_attention_side_methods_leave_the_first_window_exact(model_type, method)
     assert torch.equal(logits(model, inside), logits(plain, inside))
 
 
-@pytest.mark.parametrize("method", ["sink_window", "dca"])
+@pytest.mark.parametrize("method", registered(lambda method: method.requires.keys_by_position))
 def test_methods_that_choose_keys_by_position_still_refuse_sliding_window_layers(method):
     plain = build("gemma3_text")
     model = copy.deepcopy(plain)

@@ -5,12 +5,15 @@ and DeepSeek's YaRN sets the softmax scale at construction from `mscale_all_dim`
 of the installed transformers that builds tiny is either patched exactly or refused with a reason
 from patches.probe.REASONS, per method, on fp32 logits:
 
-- frequency methods equal transformers' natively configured twin (the patched config, reloaded by
-  transformers alone) bit for bit inside and past the window, the softmax scale included;
-- attention-side and dynamic methods, which rotate inside rope-ext's attention, rotate the channels
-  the model rotates: the first window's logits equal the unpatched model's (MOE_TOLERANCE: expert
-  routing amplifies a changed summation order), and `dynamic` equals transformers' own past the
-  window;
+- the static frequency methods equal transformers' natively configured twin (the patched config,
+  reloaded by transformers alone) bit for bit inside and past the window, the softmax scale
+  included, or, needing a fully rotated head, refuse;
+- the methods that rotate inside rope-ext's attention rotate the channels the model rotates: the
+  first window's logits equal the unpatched model's wherever they do on a LLaMA (MOE_TOLERANCE:
+  expert routing amplifies a changed summation order), and `dynamic` equals transformers' own past
+  the window;
+
+Each case runs every registered method its declarations (rotation, requirements) select.
 - decoding equals the full forward; rope_ext.from_pretrained and unpatch are bit-exact."""
 
 from __future__ import annotations
@@ -25,8 +28,17 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 import rope_ext
 from rope_ext.attention import base_name
+from rope_ext.method import REGISTRY
 from rope_ext.patches.probe import REASONS, probe
 from census_configs import VOCAB, ids, logits, norms_moved
+from helpers import (
+    computes_attention,
+    leaves_the_trained_window,
+    patch_params,
+    registered,
+    rotates_inside_attention,
+    takes_a_partial_rotation,
+)
 from test_census import check, decode_gap
 
 WINDOW = 32
@@ -85,8 +97,9 @@ EAGER_ONLY = ("hy_v4",)  # transformers runs its attention on the eager backend 
 # method would hand an identity rotation; hy_v4's learned sinks refuse those that compute attention.
 REFUSED_INSIDE = {name: "rotation-elsewhere" for name in ("axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4")}
 ATTENTION_REFUSED = {"hy_v4": "attention"}
-FREQUENCY = ("yarn", "ntk", "linear")
-INSIDE_ATTENTION = ("dynamic", "dynamic_yarn", "self_extend", "sink_window", "dca", "rerope")
+# the methods with a native form: the static frequency changes, which need nothing of attention
+FREQUENCY = registered(lambda method: method.rotation == "static" and not method.needs_attention_interface)
+INSIDE_ATTENTION = registered(rotates_inside_attention)
 MOE_TOLERANCE = 1e-5
 DECODE_TOLERANCE = 1e-4
 
@@ -135,7 +148,12 @@ def test_frequency_methods_equal_the_native_twin(name, method, tmp_path):
     model = mla(name)
     inside, past = ids(WINDOW), ids(2 * WINDOW, seed=1)
     reference = logits(model, inside)
-    info = rope_ext.patch(model, method, factor=4)
+    if not takes_a_partial_rotation(method):  # these rotate part of each head
+        with pytest.raises(ValueError, match=f"^{method}: "):
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
+        assert not hasattr(model.config, "rope_ext") and torch.equal(logits(model, inside), reference)
+        return
+    info = rope_ext.patch(model, method, factor=4, **patch_params(method, model))
     assert info.native is not None and (info.head_dim, info.rotary_dim) == (ROPE_DIM + NOPE_DIM, ROPE_DIM)
     twin = twin_of(model, model.config.rope_parameters, model.config.max_position_embeddings)
     assert torch.equal(logits(model, past), logits(twin, past))
@@ -156,18 +174,20 @@ def moe_tolerance(model) -> float:
 @pytest.mark.parametrize("method", INSIDE_ATTENTION)
 @pytest.mark.parametrize("name", PATCHED)
 def test_methods_inside_attention_rotate_the_models_channels(name, method):
+    """Those that leave a LLaMA's trained window as it was leave this model's too."""
     model = mla(name)
     inside, past = ids(WINDOW), ids(WINDOW + 16, seed=1)
     reference = logits(model, inside)
-    dynamic = method in ("dynamic", "dynamic_yarn")
-    reason = REFUSED_INSIDE.get(name) if dynamic else ATTENTION_REFUSED.get(name, REFUSED_INSIDE.get(name))
+    computes = computes_attention(REGISTRY[method])
+    reason = ATTENTION_REFUSED.get(name, REFUSED_INSIDE.get(name)) if computes else REFUSED_INSIDE.get(name)
     if reason is not None:
         with pytest.raises(ValueError, match=re.escape(f"{method}: {REASONS[reason]}")):
-            rope_ext.patch(model, method, factor=4)
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
         assert not hasattr(model.config, "rope_ext") and torch.equal(logits(model, inside), reference)
         return
-    rope_ext.patch(model, method, factor=4)
-    assert (logits(model, inside) - reference).abs().max().item() <= moe_tolerance(model)
+    rope_ext.patch(model, method, factor=4, **patch_params(method, model))
+    if leaves_the_trained_window(method):
+        assert (logits(model, inside) - reference).abs().max().item() <= moe_tolerance(model)
     assert decode_gap(model, past, WINDOW - 4) <= DECODE_TOLERANCE
     rope_ext.unpatch(model)
     assert torch.equal(logits(model, inside), reference)
@@ -269,10 +289,10 @@ def test_deepseek_v2_complex_rotation_takes_the_static_methods_only(tmp_path):
     assert check(model, tmp_path, refusals) is None
     x = ids(WINDOW)
     before = logits(model, x)
-    for method in ("dynamic", "self_extend", "rerope"):
+    for method in INSIDE_ATTENTION:
         with pytest.raises(
             ValueError, match=re.escape(f"{method} rotates queries and keys inside attention, and {REASONS['rotation']}")
         ):
-            rope_ext.patch(model, method, factor=4)
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
     assert not hasattr(model.config, "rope_ext")
     assert torch.equal(logits(model, x), before)

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 import rope_ext
 from rope_ext.patches.probe import REASONS, probe
 
+from helpers import leaves_the_trained_window, patch_params, registered, rotates_inside_attention, takes_a_partial_rotation
 from test_census import DECODE_TOLERANCE, WINDOW, check, decode_gap, equal_models, ids, logits, tiny, twin_of
 
 TYPES = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"]
@@ -32,8 +33,8 @@ SECTIONED = dict(
         "mrope_interleaved": True,
     },
 )
-FREQUENCY_METHODS = ["linear", "ntk", "yarn", "llama3"]
-NATIVE_TYPES = {"linear": "linear", "ntk": "default", "yarn": "yarn", "llama3": "llama3"}
+# the static frequency changes, which need nothing of attention: each has a native form
+FREQUENCY_METHODS = registered(lambda method: method.rotation == "static" and not method.needs_attention_interface)
 
 
 def build(model_type: str, **overrides):
@@ -65,11 +66,16 @@ def test_each_type_passes_the_census_check(model_type, tmp_path):
 def test_frequency_methods_equal_transformers_mrope_twin_for_text(model_type, method):
     plain = build(model_type, **SECTIONED)
     model = copy.deepcopy(plain)
-    info = rope_ext.patch(model, method, factor=4)
+    if not takes_a_partial_rotation(method):  # SECTIONED rotates a quarter of each head
+        with pytest.raises(ValueError, match=f"^{method}: "):
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
+        assert equal_models(model, plain)
+        return
+    info = rope_ext.patch(model, method, factor=4, **patch_params(method, model))
 
     assert info.native is not None
     rope = model.config.rope_parameters
-    assert rope["rope_type"] == NATIVE_TYPES[method]
+    assert rope["rope_type"] == rope_ext.methods()[method]["native_type"]
     # the axes' split of the frequencies stays, so that the reloaded model is Qwen 3.5's M-RoPE
     assert rope["mrope_section"] == [3, 3, 2] and rope["mrope_interleaved"] is True
     config = copy.deepcopy(model.config)
@@ -83,19 +89,22 @@ def test_frequency_methods_equal_transformers_mrope_twin_for_text(model_type, me
     assert decode_gap(model, past[:, : WINDOW + 8], WINDOW - 4) <= DECODE_TOLERANCE
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn", "self_extend", "rerope", "sink_window", "dca"])
+@pytest.mark.parametrize("method", registered(rotates_inside_attention))
 def test_methods_rotating_inside_attention_leave_the_first_window_exact(method):
-    """Inside the window each rotates by the trained frequencies: the model's own logits, bit for bit
-    (string, which moves distances past a shift inside the window by design, is not among them)."""
+    """Inside the window each that leaves a LLaMA's trained window as it was rotates by the trained
+    frequencies: the model's own logits, bit for bit (not string, which moves distances past a shift
+    inside the window by design, nor longrope, whose short factors rescale it); every one decodes
+    as one forward and unpatches exactly."""
     plain = build("qwen3_5_text", **SECTIONED)
     model = copy.deepcopy(plain)
     inside, past = ids(WINDOW), ids(WINDOW + 36, seed=1)
 
-    rope_ext.patch(model, method, factor=4)
+    rope_ext.patch(model, method, factor=4, **patch_params(method, model))
 
-    assert torch.equal(logits(model, inside), logits(plain, inside))
-    with torch.no_grad():
-        assert torch.equal(model(inside, position_ids=axes(WINDOW)).logits, logits(plain, inside))
+    if leaves_the_trained_window(method):
+        assert torch.equal(logits(model, inside), logits(plain, inside))
+        with torch.no_grad():
+            assert torch.equal(model(inside, position_ids=axes(WINDOW)).logits, logits(plain, inside))
     assert decode_gap(model, past[:, : WINDOW + 8], WINDOW - 4) <= DECODE_TOLERANCE
     rope_ext.unpatch(model)
     assert torch.equal(logits(model, inside), logits(plain, inside))
@@ -114,10 +123,12 @@ def test_dynamic_equals_transformers_dynamic_mrope_past_the_window():
     assert torch.equal(logits(model, past), logits(twin_of(plain, config), past))
 
 
-@pytest.mark.parametrize("method", ["yarn", "dynamic", "self_extend"])
+@pytest.mark.parametrize("method", registered())
 def test_a_forward_with_differing_axes_is_refused_and_changes_nothing(method):
     model = build("qwen3_5_text", **SECTIONED)
-    rope_ext.patch(model, method, factor=4)
+    if not takes_a_partial_rotation(method):
+        pytest.skip(f"{method} does not patch a model that rotates part of each head")
+    rope_ext.patch(model, method, factor=4, **patch_params(method, model))
     x = ids(WINDOW + 8, seed=2)
     before = logits(model, x)
     cache = DynamicCache(config=model.config)
@@ -156,8 +167,8 @@ def test_a_module_whose_equal_axes_are_not_rope_ext_rotation_is_refused():
     rotary.__class__ = Shifted
     plain = copy.deepcopy(model)
     before = logits(model, ids(WINDOW))
-    for method in ("yarn", "self_extend"):
+    for method in registered():
         with pytest.raises(ValueError, match=f"cannot patch .*{REASONS['format']}.* axes at the tokens' positions is not RoPE"):
-            rope_ext.patch(model, method, factor=4)
+            rope_ext.patch(model, method, factor=4, **patch_params(method, model))
         assert equal_models(model, plain)
         assert torch.equal(logits(model, ids(WINDOW)), before)

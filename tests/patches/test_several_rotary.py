@@ -15,6 +15,7 @@ import rope_ext
 from rope_ext.patches.probe import REASONS, probe
 
 from census_configs import WINDOW, ids, tiny
+from helpers import leaves_the_trained_window, registered
 from test_census import check, decode_gap, equal_models, logits
 
 TYPES = ("granite_swa", "granitemoe_swa")
@@ -81,7 +82,8 @@ def test_yarn_patches_the_full_attention_module_exactly_and_keeps_the_sliding_on
     assert type(restored) is type(own) and torch.equal(restored.inv_freq, own.inv_freq)
 
 
-@pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])
+# the methods whose frequencies follow the length and that leave the trained window as it was
+@pytest.mark.parametrize("method", registered(lambda method: method.follows_length and leaves_the_trained_window(method.name)))
 def test_methods_rotating_inside_attention_leave_the_first_window_and_the_sliding_layer_alone(method):
     """Inside the window a dynamic method rotates by the trained frequencies: bit-equal only if the
     full-attention layer gets its own base (1e6) and the sliding layer keeps its rotation (1e4)."""

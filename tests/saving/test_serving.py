@@ -70,6 +70,9 @@ def test_the_table_follows_the_registry():
     assert native("dynamic", causal=False)["rope_type"] == "dynamic"  # a row of its own in the table
 
 
+SERVED_WINDOW, SERVED_BASE = 4096, 500000.0
+
+
 def served_model():
     """A LLaMA with a 4096-token window and 128-dim heads, so that the YaRN and Llama 3 bands fall
     inside the rotated pairs."""
@@ -78,31 +81,77 @@ def served_model():
         num_attention_heads=2,
         num_key_value_heads=1,
         intermediate_size=64,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        max_position_embeddings=SERVED_WINDOW,
+        rope_parameters={"rope_type": "default", "rope_theta": SERVED_BASE},
     )
 
 
-@pytest.mark.parametrize("row", table(), ids=lambda row: row[0] + "".join(f"-{k}={v}" for k, v in row[1].items()))
-def test_each_engine_serves_what_the_table_says(row):
-    name, params, _, cells = row
+# The rows with a parameter named, each after its method's row at the defaults
+NAMED_ROWS = [("dynamic", {"causal": False}), ("yarn", {"attention_factor": 1.25}), ("longrope", {"causal": False})]
+# What rewrites the table from the registry (rendered_table) into docs/serving.md
+REGENERATE = "cd tests && PYTHONPATH=. ../.venv/bin/python saving/test_serving.py"
+
+
+def served(name: str, params: dict):
+    """`name` with `params` patched at factor 4 on served_model(): (the model, the patch, the
+    config.json it writes, {column: what that reader serves of it})."""
     model = served_model()
-    window, base = model.config.max_position_embeddings, model.config.rope_parameters["rope_theta"]
     info = rope_ext.patch(model, name, factor=4, **required(name, model), **params)
     config = json.loads(model.config.to_json_string())
     # transformers reads the written form exactly (tests/saving/test_saving.py) but sets the frequencies
     # of `dynamic` and `longrope` once per forward, from its length (`dynamic_rope_update`,
     # modeling_rope_utils.py): a causal schedule, whose rows of one forward differ, is not its
     causal = model.model.rotary_emb.method.follows_length and info.params.get("causal", True)
-    assert cells["transformers 5"] == ("unpatched" if info.native is None else "not as patched" if causal else "yes")
+    cells = {"transformers 5": "unpatched" if info.native is None else "not as patched" if causal else "yes"}
     for engine, reading in ENGINES.items():
-        served = reading(config)
+        as_patched = info.native is not None and serves_as_patched(
+            reading(config), installed_patch(model), installed_rotary(model)
+        )
+        cells[engine] = "unpatched" if info.native is None else "yes" if as_patched else "not as patched"
+    return model, info, config, cells
+
+
+def rendered_table() -> str:
+    """The table of docs/serving.md, one row per registered method at its defaults (and NAMED_ROWS),
+    each cell what `served` finds."""
+    lines = [f"| method | `rope_type` written | {' | '.join(COLUMNS)} |", "|---" * (2 + len(COLUMNS)) + "|"]
+    for name in rope_ext.methods():
+        for params in [{}, *(named for method, named in NAMED_ROWS if method == name)]:
+            _, info, _, cells = served(name, params)
+            method = " ".join([f"`{name}`", *(f"`{k}={v}`" for k, v in params.items())])
+            written = "-" if info.native is None else f"`{info.native['rope_type']}`"
+            lines.append(f"| {method} | {written} | {' | '.join(cells[column] for column in COLUMNS)} |")
+    return "\n".join(lines)
+
+
+def committed_table(doc: str) -> str:
+    lines = doc.splitlines()
+    start = lines.index(f"| method | `rope_type` written | {' | '.join(COLUMNS)} |")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    return "\n".join(lines[start:end])
+
+
+def test_the_committed_table_is_the_registry_s_rendering():
+    """The table's rows are the registry's methods (a new method gets its row) and each cell is what
+    that reader serves: the committed table is what rendered_table() writes."""
+    assert committed_table(DOC.read_text()) == rendered_table(), (
+        f"docs/serving.md's table is not the rendering: run `{REGENERATE}`"
+    )
+
+
+@pytest.mark.parametrize("row", table(), ids=lambda row: row[0] + "".join(f"-{k}={v}" for k, v in row[1].items()))
+def test_each_engine_serves_what_the_table_says(row):
+    name, params, _, cells = row
+    model, info, config, found = served(name, params)
+    assert cells["transformers 5"] == found["transformers 5"]
+    for engine, reading in ENGINES.items():
+        served_form = reading(config)
         if info.native is None:
-            assert (served.max_length, served.attention) == (window, 1.0), engine
-            assert torch.equal(served.inv_freq, pair_frequencies(base, info.rotary_dim)), engine
+            assert (served_form.max_length, served_form.attention) == (SERVED_WINDOW, 1.0), engine
+            assert torch.equal(served_form.inv_freq, pair_frequencies(SERVED_BASE, info.rotary_dim)), engine
             assert cells[engine] == "unpatched", engine
         else:
-            as_patched = serves_as_patched(served, installed_patch(model), installed_rotary(model))
+            as_patched = serves_as_patched(served_form, installed_patch(model), installed_rotary(model))
             assert cells[engine] == ("yes" if as_patched else "not as patched"), engine
 
 
@@ -164,3 +213,9 @@ def test_transformers_chunked_prefill_matches_chunked_generate(tiny_model, heldo
     theirs = tiny_model.generate(prompt, prefill_chunk_size=64, **options)
     assert torch.equal(ours, theirs)
     assert torch.equal(theirs, tiny_model.generate(prompt, **options))
+
+
+if __name__ == "__main__":  # REGENERATE: the table rewritten from the registry
+    text = DOC.read_text()
+    DOC.write_text(text.replace(committed_table(text), rendered_table()))
+    print(f"wrote the table of {DOC}")
