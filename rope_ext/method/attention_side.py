@@ -12,8 +12,8 @@ config keeps its trained window. The base owns:
   attention backends (`backends`), causal softmax attention over every key of the patch's length,
   and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
 - the parameters it derives from the model (`derive`, its `resolve`);
-- the transform installed in attention (`transform`: RotateInAttention, or a transform that holds
-  one as its rotation store, rope_ext.attention.RotatesWithStore).
+- the transform installed in attention (`transform`, a rope_ext.attention.RotatingTransform), handed
+  a rotator over the patch's rotary module (rope_ext.attention.Rotator).
 
 Records written before this base listed `causal` and `granularity` for every method that keeps
 keys before rotation; a record that carries them at their defaults still reloads, and any other
@@ -34,7 +34,8 @@ from typing import ClassVar
 import torch
 
 from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
-from rope_ext.attention.rotate import RotateInAttention, RotatesWithStore
+from rope_ext.attention.rotator import RotatingTransform, Rotator
+from rope_ext.attention.schedule import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 
 from .base import SCHEDULE_PARAMS, FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
@@ -115,7 +116,7 @@ class AttentionMethod(Method):
         return factor, params
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
-        return [self.transform(rotary)]
+        return [self.transform(Rotator(rotary))]
 
 
 def default_window(window_tokens: int) -> int:
@@ -123,28 +124,27 @@ def default_window(window_tokens: int) -> int:
     return max(1, window_tokens // 4)
 
 
-class TwoPartAttention(RotatesWithStore):
-    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
-    rotation store, `store`: the KV-cache tracking, the rotations, the keys kept between forwards)
-    and attends with the method's neighbour and distant positions in one softmax. Causality is by
+class TwoPartAttention(RotatingTransform):
+    """Rotates queries and keys itself with its rotator (the KV-cache tracking, the rotations, the
+    keys kept between forwards) and attends with the method's neighbour and distant positions in one softmax. Causality is by
     key index, as in the model: with left padding the real tokens are contiguous, so index
     distances are position distances."""
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query, k_pos = self.store.received(query, key)
-        rotary = self.rotary
-        frame = self.store.frame
+        rotator = self.rotator
+        query, k_pos = rotator.received(query, key)
+        frame = rotator.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        trained = rotary.geometry.original_window
-        method, params = rotary.method, rotary.params
+        trained = rotator.geometry.original_window
+        method, params = rotator.method, rotator.params
         window = method.near_window(params)
         inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
         # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
-        extended, first = self.store.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
+        extended, first = rotator.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
         own, distant_keys = (lambda at: at), (lambda at: method.distant_key(at, params))
         if first is None:
-            q_own = self.store.temper(self.store.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale))[:, :, 0]
-            k_own = self.store.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
+            q_own = rotator.temper(rotator.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale))[:, :, 0]
+            k_own = rotator.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
             return attend(module, q_own, k_own, value, attention_mask, **kwargs)
 
         offset = kv_len - q_len  # query row r is key index offset + r
@@ -153,8 +153,8 @@ class TwoPartAttention(RotatesWithStore):
         own = (lambda at: at[..., None]) if grouped else own
         # every query rotated to its own and its distant position, every key (kept between forwards)
         # to its own and, where the method moves it, its distant one
-        queries = self.store.temper(
-            self.store.rotate_to(
+        queries = rotator.temper(
+            rotator.rotate_to(
                 query,
                 "own, distant",
                 lambda: (own(frame.q_pos), method.distant_query(frame.q_pos, params)),
@@ -165,9 +165,9 @@ class TwoPartAttention(RotatesWithStore):
         )
         q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
         if method.distant_keys_own:
-            k_own = k_group = self.store.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale, grouped)[:, :, 0]
+            k_own = k_group = rotator.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale, grouped)[:, :, 0]
         else:
-            keys = self.store.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale, grouped)
+            keys = rotator.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale, grouped)
             k_own, k_group = keys[:, :, 0], keys[:, :, 1]
         outputs = []
         if first:
@@ -176,7 +176,7 @@ class TwoPartAttention(RotatesWithStore):
         # With no mask to honour but the causal one and every row from `first` on past the window
         # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
         # rows gets one.
-        unmasked = self.store.per_forward(
+        unmasked = rotator.per_forward(
             ("unmasked", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
             lambda: not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window,
         )

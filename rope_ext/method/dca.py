@@ -58,7 +58,7 @@ from typing import ClassVar
 
 import torch
 
-from rope_ext.attention import RotatesWithStore, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 
 from .attention_side import AttentionMethod
@@ -94,10 +94,9 @@ class ChunkRows:
     inter: torch.Tensor
 
 
-class DualChunkAttention(RotatesWithStore):
-    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
-    rotation store, `store`). Queries below chunk_size attend through the backend with their own
-    positions; the others attend their chunk, the chunk before and the earlier chunks as calls
+class DualChunkAttention(RotatingTransform):
+    """Rotates queries and keys itself, with its rotator. Queries below chunk_size attend through
+    the backend with their own positions; the others attend their chunk, the chunk before and the earlier chunks as calls
     merged by log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
     are kept rotated to their place in their chunk (one copy of the key cache, RotatedKeys), and to
     their own positions while every query is below min(c + 1, 2s) (a second copy, of at most that
@@ -105,53 +104,53 @@ class DualChunkAttention(RotatesWithStore):
     (scale_queries)."""
 
     def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
-        """The store's scale_queries (logn), then t(n)^2 where `temperature` is on."""
-        query = self.store.scale_queries(query)
-        if not self.rotary.params["temperature"]:
+        """The rotator's scale_queries (logn), then t(n)^2 where `temperature` is on."""
+        query = self.rotator.scale_queries(query)
+        if not self.rotator.params["temperature"]:
             return query
         # a factor on the queries reaches every part they are attended in, as the engines' factor on
         # the softmax scale and the keys does
-        scale = self.store.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
+        scale = self.rotator.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
         return query if scale is None else query * scale
 
     def _temperature(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, Sq, 1]: t(n)^2 for each query row, n the length it has seen (causal) or the
         forward's (the engines' prefill); None where every n is at most the trained window L."""
-        q_pos, window = self.store.frame.q_pos, self.rotary.geometry.original_window
-        seen = q_pos + 1 if self.rotary.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
+        q_pos, window = self.rotator.frame.q_pos, self.rotator.geometry.original_window
+        seen = q_pos + 1 if self.rotator.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
         if not bool((seen > window).any()):
             return None
         t = (0.1 * torch.log(seen.double() / window) + 1.0).clamp(min=1.0)
         return (t * t)[:, None, :, None].to(dtype)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query, k_pos = self.scale_queries(query), self.store.key_positions(key.shape[-2])
-        rotary = self.rotary
+        query, k_pos = self.scale_queries(query), self.rotator.key_positions(key.shape[-2])
+        rotator = self.rotator
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        first = self.store.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
-        chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
+        first = self.rotator.one_sequence(attention_mask, kv_len, q_len, rotator.method.name)
+        chunk, local = rotator.params["chunk_size"], rotator.params["local_size"]
         span = chunk - local  # s: the chunk length
-        frame = self.store.frame
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)
+        frame = self.rotator.frame
+        inv_freq, scale = frame.angles(rotator.geometry.original_window)
         positions = frame.q_pos[:1]  # [1, Sq]
-        exact, chunks = self.store.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
+        exact, chunks = self.rotator.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.store.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
-            q_own = self.store.temper(q_own, 0, exact)[:, :, 0]
+            q_own = self.rotator.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
+            q_own = self.rotator.temper(q_own, 0, exact)[:, :, 0]
             if exact == q_len:  # every key below min(c + 1, 2s): kept at its own position while the queries are
-                k_own = self.store.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
+                k_own = self.rotator.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
             else:
                 end = offset + exact
-                k_own = self.store.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
-                    :, :, 0
-                ]
+                k_own = self.rotator.rotate_to(
+                    key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale
+                )[:, :, 0]
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
             # every key at its place in its chunk, rotated once and kept between forwards
-            keys = self.store.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
+            keys = self.rotator.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
             for rows in chunks:
                 outputs.append(
                     self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, first, inv_freq, scale, scaling)
@@ -189,14 +188,14 @@ class DualChunkAttention(RotatesWithStore):
         each a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
         keys] tensor). Key index k holds position first + k: keys before `first` (a forward whose
         positions do not start at 0, without the cache of the earlier ones) are not there to attend."""
-        n, span = rows.n, self.rotary.params["chunk_size"] - self.rotary.params["local_size"]
+        n, span = rows.n, self.rotator.params["chunk_size"] - self.rotator.params["local_size"]
         start = max(0, n * span - first)  # key index where chunk n begins
         previous = max(0, (n - 1) * span - first)  # key index where chunk n - 1 begins
         lo = rows.position - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
         # the rows of chunk n are the same in every layer of the forward: n names their positions
-        queries = self.store.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
-        q_intra, q_succ, q_inter = self.store.temper(queries, rows.lo, rows.hi).unbind(2)
+        queries = self.rotator.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
+        q_intra, q_succ, q_inter = self.rotator.temper(queries, rows.lo, rows.hi).unbind(2)
         if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
             parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
         else:
