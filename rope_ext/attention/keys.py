@@ -40,12 +40,21 @@ class RotatedKeys:
                 self._caches.append((weakref.ref(cache), found))
         return found
 
-    def check(self, cache) -> None:
-        """Before a forward: let go of the entries of `cache` whose layer changed since they were rotated."""
+    def check(self, cache) -> dict | None:
+        """Before a forward: let go of the entries of `cache` whose layer changed since they were
+        rotated; the entries of `cache` (None: a cache without layers, which the store never serves)."""
         cache_layers = getattr(cache, "layers", None)
         if cache_layers is None:
-            return
+            return None
         entries = self.entries(cache)
         for index, name in list(entries):
             if index >= len(cache_layers) or getattr(cache_layers[index], "keys", None) is not entries[index, name][-1]():
                 del entries[index, name]
+        return entries
+
+
+class ForwardEntries(threading.local):
+    """The entries (RotatedKeys.entries) of the cache the calling thread's forward extends, found
+    once before the forward, read by its layers without a call."""
+
+    kept: dict | None = None

@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 from rope_ext.rotation import cos_sin, prepared, rotate_prepared
 
 from .interface import AttentionTransform, passed_cache
-from .keys import RotatedKeys
+from .keys import ForwardEntries, RotatedKeys
 from .parts import hides_keys
 
 
@@ -38,6 +38,7 @@ class Rotator:
         self._rotary = rotary
         self._read(rotary)
         self.keys = RotatedKeys()
+        self._forward = ForwardEntries()
         self._hooks: list = []
 
     def _read(self, rotary) -> None:
@@ -49,7 +50,7 @@ class Rotator:
         return {"_rotary": self._rotary, "keys": self.keys, "_hooks": self._hooks}
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        self.__dict__.update(state, _forward=ForwardEntries())
         self._read(self._rotary)
 
     def attach(self, site) -> None:
@@ -68,8 +69,7 @@ class Rotator:
     def _before_forward(self, module, args, kwargs) -> None:
         cache = passed_cache(kwargs)
         self.rotation.state.cache = cache
-        if cache is not None:
-            self.keys.check(cache)
+        self._forward.kept = None if cache is None else self.keys.check(cache)
 
     def _after_forward(self, module, args, kwargs, output) -> None:
         """Record where the returned cache's keys sit; let go of the cache and of the forward's
@@ -78,6 +78,7 @@ class Rotator:
         self.rotation.finish(getattr(output, "cache", None))
         state.cache = None
         state.memo = (None, {})
+        self._forward.kept = None
 
     @property
     def frame(self):
@@ -156,20 +157,16 @@ class Rotator:
         return rotate_prepared(x.unsqueeze(2), *factors, *self.pairing)
 
     def _factors(self, key, positions: Callable, inv_freq, scale, dtype, grouped=False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [B or 1, 1, P, S, D] of each of `positions()`, prepared (rope_ext.rotation), once
-        per forward and `key`. Each position tensor's (cos, sin) are computed apart, as they would be
-        alone, so that their bits do not depend on what else is rotated with them."""
+        """`factors` of `positions()`, once per forward and `key`."""
+        return self.per_forward((key, dtype), lambda: self.factors(positions(), inv_freq, scale, dtype, grouped))
 
-        def compute():
-            pairs = [cos_sin(inv_freq, scale, at, dtype, grouped) for at in positions()]
-            return prepared(torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.layout)
-
-        return self.per_forward((key, dtype), compute)
-
-    def received(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the queries, scaled where `logn` is on; the positions [B, kv_len] of the keys) for a
-        transform that rotates them itself."""
-        return self.scale_queries(query), self.key_positions(key.shape[-2])
+    def factors(self, positions, inv_freq, scale, dtype, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B or 1, 1, P, S, D] of each of the P position tensors `positions` (as rotate_to
+        takes them), prepared (rope_ext.rotation). Each position tensor's (cos, sin) are computed
+        apart, as they would be alone, so that their bits do not depend on what else is rotated with
+        them."""
+        pairs = [cos_sin(inv_freq, scale, at, dtype, grouped) for at in positions]
+        return prepared(torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.layout)
 
     def key_positions(self, kv_len: int) -> torch.Tensor:
         """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
@@ -237,8 +234,9 @@ class Rotator:
         index = self._stored_layer(module, key)
         if index is None:
             return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
-        # the store's entries of the forward's cache: the same in every layer
-        entries = self.per_forward(("kept keys", id(self.keys)), lambda: self.keys.entries(self.rotation.state.cache))
+        entries = self._forward.kept
+        if entries is None:  # a transform whose hooks are not on the model (swapped in by hand) finds them here
+            entries = self.keys.entries(self.rotation.state.cache)
         held = kv_len - self.frame.q_pos.shape[-1]
         entry = entries.get((index, names))
         if (

@@ -4,6 +4,7 @@ of the causal schedule, its queries attended in groups, one per scaling."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,9 +16,24 @@ from .parts import attend_with_lse, causal_mask, hides_keys, merge_by_lse
 from .rotator import RotatingTransform
 
 
+@dataclass
+class Schedule:
+    """What the layers of a forward share in RotateInAttention (`shared`): the groups of its queries
+    (`_groups`) and the index of the first key attention receives among those written
+    (sliding-window caches return only the most recent); in one group, the queries' prepared
+    (cos, sin) and whether the rotated keys are kept for the next forward; in several, whether
+    they attend with no mask but the causal one."""
+
+    groups: list
+    first_key: int
+    queries: tuple | None = None
+    keep: bool = True
+    causal_only: bool = False
+
+
 class RotateInAttention(RotatingTransform):
     """Rotates queries and keys inside attention for a dynamic rotary module (see rotary.py), the
-    queries scaled first where the patch has `logn` on (`scale_queries`).
+    queries scaled first where the patch has `logn` on (Rotator.scale_queries).
 
     Queries that use different scalings (causal schedule past the window) are attended in groups,
     each against keys rotated with that group's scaling; causality is by index, as in the model.
@@ -42,39 +58,29 @@ class RotateInAttention(RotatingTransform):
         self._warned = False  # of many groups in a forward (_counted), once per patch
 
     def __call__(self, module, query, key, value, attention_mask, attend: Callable, **kwargs):
-        query = self.rotator.scale_queries(query)
-        frame = self.rotator.frame
+        rotator = self.rotator
+        query = rotator.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        written = frame.k_pos.shape[-1]
-        if written < kv_len:
-            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
-        first_key = written - kv_len  # sliding-window caches return only the most recent keys
-        groups = self.rotator.per_forward(("groups", q_len), lambda: self._counted(self._groups(frame.lengths)))
+        step = rotator.per_forward(
+            ("schedule", q_len, kv_len, query.dtype, id(attention_mask)),  # the mask lives through the forward
+            lambda: self.shared(q_len, kv_len, query.dtype, attention_mask),
+        )
+        groups, first_key = step.groups, step.first_key
         if len(groups) == 1:
-            length, pairing = groups[0][0], self.rotator.pairing
-            kept = self.rotator.kept_keys(
+            length = groups[0][0]
+            kept = rotator.kept_keys(
                 module,
                 key,
                 (("scaled", length),),
-                lambda start, stop: self.rotator.frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
-                keep=self.rotator.per_forward(("scaling holds",), lambda: self._scaling_holds(frame)),
+                lambda start, stop: rotator.frame_factors(length, True, first_key + start, first_key + stop, key.dtype),
+                keep=step.keep,
             )
-            q_rotated = rotate_prepared(
-                query.unsqueeze(2), *self.rotator.frame_factors(length, False, 0, q_len, query.dtype), *pairing
-            )
-            q_rotated = self.rotator.temper(q_rotated)
+            q_rotated = rotator.temper(rotate_prepared(query.unsqueeze(2), *step.queries, *rotator.pairing))
             return attend(module, q_rotated[:, :, 0], kept[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len
-        if (
-            all(chosen is None for *_, chosen in groups)
-            and self.rotator.per_forward(
-                ("causal only", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
-                lambda: not hides_keys(attention_mask, kv_len),
-            )
-            and self._attends_last(module)
-            and plain_softmax(module, query, kwargs)
-        ):
+        if step.causal_only and self._attends_last(module) and plain_softmax(module, query, kwargs):
             return self._unmasked_groups(query, key, value, groups, offset, first_key, kwargs.get("scaling")), None
+        frame = rotator.frame
         out = weights = None
         for index, (length, lo, hi, chosen) in enumerate(groups):
             end = offset + hi  # keys past the group's last query are masked anyway
@@ -106,6 +112,27 @@ class RotateInAttention(RotatingTransform):
                     rows_chosen = chosen.transpose(1, 2)  # [B, 1, rows, 1]
                     weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
         return out, weights
+
+    def shared(self, q_len: int, kv_len: int, q_dtype, attention_mask) -> Schedule:
+        """What every layer of a forward with these lengths, query dtype and mask shares: computed by
+        the first such layer, in this one call, and read by the others."""
+        rotator = self.rotator
+        frame = rotator.frame
+        written = frame.k_pos.shape[-1]
+        if written < kv_len:
+            raise RuntimeError(f"rope_ext: the KV cache returned {kv_len} keys but the patched model wrote {written}")
+        groups = self._counted(self._groups(frame.lengths))
+        if len(groups) > 1:
+            # every row of every group in one sequence, with no mask to honour but the causal one
+            causal_only = all(chosen is None for *_, chosen in groups) and not hides_keys(attention_mask, kv_len)
+            return Schedule(groups, written - kv_len, causal_only=causal_only)
+        length = groups[0][0]
+        return Schedule(
+            groups,
+            written - kv_len,
+            queries=rotator.frame_factors(length, False, 0, q_len, q_dtype),
+            keep=self._scaling_holds(frame),
+        )
 
     def _attends_last(self, module) -> bool:
         """Whether this transform hands its tensors to the backend itself: no transform after it in
