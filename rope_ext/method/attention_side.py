@@ -65,7 +65,7 @@ class AttentionMethod(Method):
 
     backends: ClassVar[tuple[str, ...]] = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] masks the parts build
     # The method chooses the keys each query attends by their positions, so it cannot honour a mask
-    # that hides keys (RotateInAttention.one_sequence): a model with sliding-window layers is refused.
+    # that hides keys (rope_ext.attention.Rotator.one_sequence): a model with sliding-window layers is refused.
     chooses_keys: ClassVar[bool] = False
     transform: ClassVar[type] = RotateInAttention
 

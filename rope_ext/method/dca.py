@@ -40,7 +40,7 @@ How it runs: each part is an attention call of the model's own head size over th
 without a mask (the intra-chunk part: the chunk's keys before the forward's first row in full, then
 a causal square), and the parts are merged by their log-sum-exp (rope_ext.attention.merge_by_lse).
 No [L, L] tensor is built. A DynamicCache's keys are kept rotated at their place in their chunk
-(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys; while every query is below
+(one copy of the key cache, rope_ext.attention.keys.RotatedKeys; while every query is below
 min(c + 1, 2s), at their own positions instead): a decode step rotates only its query, at its three
 positions, and its new key, and attends the three parts in three calls.
 

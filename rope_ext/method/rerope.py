@@ -43,7 +43,7 @@ How it runs: as self_extend, by the two-part engine (rope_ext.method.attention_s
 distant positions above in place of the grouped ones: rows inside the window through the model's own backend,
 rows past it in attention calls of the model's head size merged by log-sum-exp. A DynamicCache's
 keys are kept rotated to their own and to their rectified positions (two copies of the key cache,
-rope_ext.attention.rotate.RotatedKeys): a decode step rotates only its query and its new key.
+rope_ext.attention.keys.RotatedKeys): a decode step rotates only its query and its new key.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ chunks) these calls take no mask: the distant keys as those all rows see plus a 
 neighbours in blocks of W rows (rope_ext.attention.window_parts). Otherwise (padding) queries go in
 blocks whose masks stay under SCORE_BYTES, each for only the keys it can see. No [L, L] tensor is
 built. A DynamicCache's keys are rotated once, to their own and to their grouped positions, and
-kept rotated between forwards: two copies of the key cache (rope_ext.attention.rotate.RotatedKeys),
+kept rotated between forwards: two copies of the key cache (rope_ext.attention.keys.RotatedKeys),
 so a decode step rotates only its query and its new key and attends in two calls, merged by
 log-sum-exp.
 """

@@ -28,7 +28,7 @@ sinks in one call (query at s + w - 1) and their window as calls without a mask
 (rope_ext.attention.window_parts: blocks of w rows, each its own keys causally and the triangle of
 earlier ones reversed), merged by log-sum-exp (rope_ext.attention.merge_by_lse). No mask and no
 [S, S] tensor is built. A DynamicCache's keys are kept rotated at their own positions between forwards
-(one copy of the key cache, rope_ext.attention.rotate.RotatedKeys), so a decode step rotates only
+(one copy of the key cache, rope_ext.attention.keys.RotatedKeys), so a decode step rotates only
 its query and its new key; a SinkWindowCache's, at most sinks + window, are rotated at each forward.
 """
 

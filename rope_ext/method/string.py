@@ -28,7 +28,7 @@ the near window S and the distant positions above. Queries below S attend throug
 backend at their own positions; a query's positions depend only on its own position, so one forward,
 chunked prefill and token-by-token decoding give the same numbers. Keys stay at their own positions
 in both parts: a DynamicCache's keys are kept rotated between forwards in one copy of the key cache
-(rope_ext.attention.rotate.RotatedKeys), and a decode step rotates only its query and its new key.
+(rope_ext.attention.keys.RotatedKeys), and a decode step rotates only its query and its new key.
 """
 
 from __future__ import annotations
