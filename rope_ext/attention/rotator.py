@@ -222,6 +222,12 @@ class Rotator:
 
         return self.kept_keys(module, key, names, rotation)
 
+    def holds(self, names) -> bool:
+        """Whether the kept keys of the forward's cache hold a map named `names` (in some layer): the
+        layers then rotate only the forward's new keys under it."""
+        kept = self._forward.kept
+        return kept is not None and any(name == names for _, name in kept)
+
     def kept_keys(self, module, key: torch.Tensor, names, rotation: Callable, keep: bool = True) -> torch.Tensor:
         """`key` (the keys attention received, [B, H, kv_len, D]) rotated by `rotation(start, stop)`,
         the prepared (cos, sin) [B or 1, 1, M, stop - start, D] of keys start:stop under the position

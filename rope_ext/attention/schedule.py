@@ -62,8 +62,8 @@ class RotateInAttention(RotatingTransform):
         query = rotator.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
         step = rotator.per_forward(
-            ("schedule", q_len, kv_len, query.dtype, id(attention_mask)),  # the mask lives through the forward
-            lambda: self.shared(q_len, kv_len, query.dtype, attention_mask),
+            ("schedule", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
+            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
         )
         groups, first_key = step.groups, step.first_key
         if len(groups) == 1:
@@ -113,7 +113,7 @@ class RotateInAttention(RotatingTransform):
                     weights[:, :, lo:hi, :end] = torch.where(rows_chosen, part_weights, weights[:, :, lo:hi, :end])
         return out, weights
 
-    def shared(self, q_len: int, kv_len: int, q_dtype, attention_mask) -> Schedule:
+    def shared(self, q_len: int, kv_len: int, q_dtype, k_dtype, attention_mask) -> Schedule:
         """What every layer of a forward with these lengths, query dtype and mask shares: computed by
         the first such layer, in this one call, and read by the others."""
         rotator = self.rotator
@@ -126,10 +126,14 @@ class RotateInAttention(RotatingTransform):
             # every row of every group in one sequence, with no mask to honour but the causal one
             causal_only = all(chosen is None for *_, chosen in groups) and not hides_keys(attention_mask, kv_len)
             return Schedule(groups, written - kv_len, causal_only=causal_only)
-        length = groups[0][0]
+        length, first_key = groups[0][0], written - kv_len
+        # the (cos, sin) of the keys the layers rotate, the new ones where the store holds this
+        # scaling's, else all, kept for the forward by frame_factors, where kept_keys finds them
+        start = kv_len - q_len if rotator.holds((("scaled", length),)) else 0
+        rotator.frame_factors(length, True, first_key + start, first_key + kv_len, k_dtype)
         return Schedule(
             groups,
-            written - kv_len,
+            first_key,
             queries=rotator.frame_factors(length, False, 0, q_len, q_dtype),
             keep=self._scaling_holds(frame),
         )

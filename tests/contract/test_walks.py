@@ -171,7 +171,7 @@ def test_a_decode_step_enters_a_few_files_per_layer(method):
         )
 
 
-@pytest.mark.parametrize("method", ["dca", "dpe", "rerope", "self_extend"])
+@pytest.mark.parametrize("method", sorted(LAYER_FILES))
 def test_the_first_layer_computes_what_the_forward_shares_in_one_call(method):
     """A decode step's later layers make the first layer's calls less one run: the call in which the
     first computes what every layer of the forward shares (the transform's `shared`: frequencies,
