@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, base_name, registered_name
+from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, Rotator, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq, refusal
 from rope_ext.method.stated import CONFIG_KEY, stated_sizes
@@ -553,7 +553,7 @@ class LlamaFamily(FamilyAdapter):
         native, softmax = self.written(site, rotary, max_length)
         site.swap_rotary(rotary)
         rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
-        chain = ([RotateInAttention(rotary)] if rotary.dynamic and not rotates else []) + list(transforms)
+        chain = ([RotateInAttention(Rotator(rotary))] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
             self._attach_attention(site, chain, rotary.method.name)
         # Written either way, so that a repatch writes what a first patch does.

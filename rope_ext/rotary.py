@@ -9,7 +9,7 @@ the attention-side methods) need each key's position at every step. Dynamic meth
 frequencies from the current length; with a KV cache that breaks incremental decoding in
 transformers (issue #25104): keys cached at step t were rotated with step t's base, the query at
 step t+1 uses another. Here the module instead hands the attention layers an identity rotation, so
-the cache holds keys *before* rotation, and the rope-ext attention (rope_ext.attention.rotate)
+the cache holds keys *before* rotation, and the rope-ext attention (rope_ext.attention.Rotator)
 rotates queries and all keys with the frequencies of the current length at every step. A full
 forward and token-by-token decoding then see the same angles for every key, in any dtype.
 `DynamicRotation` is that engine: which positions the keys of each KV cache have (through crops,
@@ -195,9 +195,9 @@ class WrittenUnrotated:
 class ForwardState(threading.local):
     """What the running forward of a patched model leaves for its attention layers, per thread:
     its frame (DynamicRotation), the KV cache it extends (`cache`), what its layers compute once
-    (`memo`, RotateInAttention.per_forward). Two threads that run one patched model at once, each
-    with its own cache, each see their own forward's. Plain attributes: the attention layers read
-    them without a call."""
+    (`memo`, rope_ext.attention.Rotator.per_forward). Two threads that run one patched model at
+    once, each with its own cache, each see their own forward's. Plain attributes: the attention
+    layers read them without a call."""
 
     def __init__(self):
         self.frame: RotationFrame | None = None
@@ -217,7 +217,7 @@ class DynamicRotation:
     Each thread's forward has its own frame (`state.frame`, ForwardState); `frame` is the latest
     any thread made, for a thread that runs attention without having run the forward, as the
     autograd thread that re-runs it for gradient checkpointing on a GPU
-    (RotateInAttention.frame reads the one or the other)."""
+    (rope_ext.attention.Rotator.frame reads the one or the other)."""
 
     def __init__(self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, device: torch.device):
         self.method, self.factor, self.params, self.geometry = method, factor, params, geometry
@@ -336,8 +336,8 @@ class ExtendedRotaryEmbedding(nn.Module):
 
     @property
     def pending_cache(self):
-        """The cache the calling thread's running forward extends (set by before_forward, dropped by
-        after_forward)."""
+        """The cache the calling thread's running forward extends (set and dropped by the hooks of
+        the rotator, rope_ext.attention.Rotator)."""
         return self.rotation.state.cache
 
     def _apply(self, fn, recurse=True):
@@ -373,15 +373,6 @@ class ExtendedRotaryEmbedding(nn.Module):
         # the rope-ext attention function rotates queries and keys with `self.frame`.
         shape = (*q_pos.shape, self.geometry.rotary_dim)
         return x.new_ones(shape), x.new_zeros(shape)
-
-    def before_forward(self, cache) -> None:
-        """Called by a pre-forward hook on the decoder: the cache this forward will extend."""
-        self.rotation.state.cache = cache
-
-    def after_forward(self, cache) -> None:
-        """Called by a forward hook on the decoder: remember where the cached keys sit."""
-        self.rotation.finish(cache)
-        self.rotation.state.cache = None
 
     def retire_caches(self) -> None:
         """The patch is being removed or replaced: every KV cache it wrote keys into before rotation

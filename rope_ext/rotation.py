@@ -70,7 +70,7 @@ class RotationFrame:
 
     def rotation(self, length: int, keys: bool, start: int, stop: int, dtype: torch.dtype):
         """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer needs
-        the same ones: the attention transform keeps them for the forward (RotateInAttention.per_forward,
+        the same ones: the attention transform keeps them for the forward (rope_ext.attention.Rotator.per_forward,
         the one per-forward store); in decoding, where the query is one token and the keys are the
         whole cache, that is most of the rotation's cost."""
         inv_freq, scale = self.angles(length)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rope_ext.attention import RotateInAttention
+from rope_ext.attention import RotateInAttention, Rotator
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
 from rope_ext.record import Patch
@@ -292,12 +292,12 @@ class RotatingCoreAttention:
     def __init__(self, core: nn.Module, rotary: ChatGLMRotaryEmbedding, seq_first: bool):
         self.previous = core.__dict__.get("forward")  # an instance-level forward someone else set, if any
         self.inner = core.forward
-        self.rotate = RotateInAttention(rotary)
+        self.rotate = RotateInAttention(Rotator(rotary))
         self.seq_first = seq_first
         self.rotary = rotary
 
     def __call__(self, query, key, value, attention_mask, *args, **kwargs):
-        frame = self.rotate.frame
+        frame = self.rotate.rotator.frame
         if self.seq_first:  # -> [b, heads, s, hd], the layout RotateInAttention works in
             query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         batch, heads = query.shape[:2]

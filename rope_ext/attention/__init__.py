@@ -1,7 +1,8 @@
-"""Attention in three rooms: `interface` hooks rope-ext into transformers' AttentionInterface (what
-family adapters use), `rotate` rotates queries and keys inside attention, `parts` holds the
-split-softmax kernels attention-side methods build on. The names below keep `rope_ext.attention.X`
-working for every X of the three."""
+"""Attention in rooms: `interface` hooks rope-ext into transformers' AttentionInterface (what family
+adapters use); `rotator` holds the rotator that transforms rotating inside attention are handed
+(the forward's frame, the geometry, the kept keys of `keys`); `schedule` the dynamic methods'
+transform; `parts` the split-softmax kernels attention-side methods build on. The names below keep
+`rope_ext.attention.X` working for every X of them."""
 
 from .interface import (
     PREFIX,
@@ -14,6 +15,7 @@ from .interface import (
     base_name,
     registered_name,
 )
+from .keys import RotatedKeys
 from .parts import (
     SCORE_BYTES,
     attend_with_lse,
@@ -24,7 +26,8 @@ from .parts import (
     merge_by_lse,
     window_parts,
 )
-from .rotate import RotateInAttention, RotatesWithStore
+from .rotator import RotatingTransform, Rotator
+from .schedule import RotateInAttention
 
 __all__ = [
     "PREFIX",
@@ -44,6 +47,8 @@ __all__ = [
     "hides_keys",
     "merge_by_lse",
     "window_parts",
+    "RotatedKeys",
+    "Rotator",
+    "RotatingTransform",
     "RotateInAttention",
-    "RotatesWithStore",
 ]

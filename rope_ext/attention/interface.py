@@ -6,7 +6,7 @@ each change (query, key, value, mask) and hand them on; the last one hands them 
 The same mask function as the backend's is registered under the new name, so causal and padding
 masks are built exactly as before.
 
-A patch's chain, in order: the rotation inside attention (rope_ext.attention.rotate, or an
+A patch's chain, in order: the rotation inside attention (rope_ext.attention.schedule, or an
 attention-side method's own transform), then what a method adds (`Method.attention`:
 alibi_hybrid's bias, rope_ext.method.alibi_hybrid). The bias comes last because it is defined on
 the queries and keys the backend finally sees.

@@ -13,8 +13,8 @@ base owns:
   and where it chooses keys by position (`chooses_keys`), no sliding window that hides one;
 - the parameters it derives from the model (`resolve`, the hook of every method), with what the
   two-part methods share (`default_window`, and self_extend's and dpe's `reaching_group`);
-- the transform installed in attention (`transform`: RotateInAttention, or a transform that holds
-  one as its rotation store, rope_ext.attention.RotatesWithStore).
+- the transform installed in attention (`transform`, a rope_ext.attention.RotatingTransform), handed
+  a rotator over the patch's rotary module (rope_ext.attention.Rotator).
 
 `TwoPartMethod` is the two-part engine of self_extend, rerope, string and dpe (and any method of
 that shape): for the queries the method `switched`, keys within its `near_window` keep their own
@@ -33,8 +33,10 @@ from typing import ClassVar
 import torch
 
 from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
-from rope_ext.attention.rotate import RotateInAttention, RotatesWithStore
+from rope_ext.attention.rotator import RotatingTransform, Rotator
+from rope_ext.attention.schedule import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
+from rope_ext.rotation import rotate_prepared
 
 from .base import FrequencyFn, Method, ModelFacts, Requires, default_inv_freq
 
@@ -59,7 +61,7 @@ class AttentionMethod(Method):
 
     backends: ClassVar[tuple[str, ...]] = ("eager", "sdpa")  # take the [B, 1, Sq, Sk] masks the parts build
     # The method chooses the keys each query attends by their positions, so it cannot honour a mask
-    # that hides keys (RotateInAttention.one_sequence): a model with sliding-window layers is refused.
+    # that hides keys (rope_ext.attention.Rotator.one_sequence): a model with sliding-window layers is refused.
     chooses_keys: ClassVar[bool] = False
     transform: ClassVar[type] = RotateInAttention
 
@@ -79,7 +81,7 @@ class AttentionMethod(Method):
         return replace(super().requires, backends=self.backends, own_attention=True, keys_by_position=self.chooses_keys)
 
     def attention(self, rotary, facts: ModelFacts, params: dict) -> list:
-        return [self.transform(rotary)]
+        return [self.transform(Rotator(rotary))]
 
 
 def default_window(window_tokens: int) -> int:
@@ -104,64 +106,57 @@ def reaching_group(window_tokens: int, target: int, window: int, least: int = 2)
     return group
 
 
-class TwoPartAttention(RotatesWithStore):
-    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
-    rotation store, `store`: the KV-cache tracking, the rotations, the keys kept between forwards)
-    and attends with the method's neighbour and distant positions in one softmax. Causality is by
-    key index, as in the model: with left padding the real tokens are contiguous, so index
-    distances are position distances."""
+@dataclass
+class TwoParts:
+    """What the layers of a forward share in TwoPartAttention (`shared`): the keys' positions, the
+    frequencies, which queries attend in two parts (`extended` [B, Sq]; `first`, the first row
+    that does, None: none does), the neighbour window, the key maps and their names (RotatedKeys),
+    the queries' prepared (cos, sin), (held, the prepared (cos, sin) of the keys from `held` on: the
+    forward's new keys), and whether the rows past the window attend without masks."""
+
+    k_pos: torch.Tensor
+    angles: tuple  # (inv_freq, attention factor)
+    grouped: bool
+    first: int | None
+    extended: torch.Tensor
+    window: int
+    names: tuple
+    k_maps: tuple
+    queries: tuple
+    new_keys: tuple
+    unmasked: bool
+
+
+class TwoPartAttention(RotatingTransform):
+    """Rotates queries and keys itself with its rotator (the KV-cache tracking, the rotations, the
+    keys kept between forwards) and attends with the method's neighbour and distant positions in
+    one softmax. Causality is by key index, as in the model: with left padding the real tokens are
+    contiguous, so index distances are position distances."""
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query, k_pos = self.store.received(query, key)
-        rotary = self.rotary
-        frame = self.store.frame
+        rotator = self.rotator
+        query = rotator.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        trained = rotary.geometry.original_window
-        method, params = rotary.method, rotary.params
-        window = method.near_window(params)
-        inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
-        # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
-        extended, first = self.store.per_forward(("switched",), lambda: self._switched(method.switched(frame, trained, params)))
-        own, distant_keys = (lambda at: at), (lambda at: method.distant_key(at, params))
-        if first is None:
-            q_own = self.store.temper(self.store.rotate_to(query, "own", lambda: (frame.q_pos,), inv_freq, scale))[:, :, 0]
-            k_own = self.store.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale)[:, :, 0]
-            return attend(module, q_own, k_own, value, attention_mask, **kwargs)
-
-        offset = kv_len - q_len  # query row r is key index offset + r
-        grouped = method.grouped
-        # with grouped distant positions, the own ones as one group: one rotation serves both
-        own = (lambda at: at[..., None]) if grouped else own
-        # every query rotated to its own and its distant position, every key (kept between forwards)
-        # to its own and, where the method moves it, its distant one
-        queries = self.store.temper(
-            self.store.rotate_to(
-                query,
-                "own, distant",
-                lambda: (own(frame.q_pos), method.distant_query(frame.q_pos, params)),
-                inv_freq,
-                scale,
-                grouped,
-            )
+        step = rotator.per_forward(
+            ("two parts", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
+            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
         )
+        # every query rotated to its own (and, from `first` on, its distant) position, every key
+        # (kept between forwards) to its own and, where the method moves it, its distant one
+        queries = rotator.temper(rotate_prepared(query.unsqueeze(2), *step.queries, *rotator.pairing))
+        keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
+        first, window = step.first, step.window
+        if first is None:
+            return attend(module, queries[:, :, 0], keys[:, :, 0], value, attention_mask, **kwargs)
+        offset = kv_len - q_len  # query row r is key index offset + r
         q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
-        if method.distant_keys_own:
-            k_own = k_group = self.store.keys_at(module, key, ("own",), k_pos, (own,), inv_freq, scale, grouped)[:, :, 0]
-        else:
-            keys = self.store.keys_at(module, key, ("own", "distant"), k_pos, (own, distant_keys), inv_freq, scale, grouped)
-            k_own, k_group = keys[:, :, 0], keys[:, :, 1]
+        k_own, k_group = keys[:, :, 0], keys[:, :, -1]
+        extended = step.extended
         outputs = []
         if first:
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, first, kwargs))
         scaling = kwargs.get("scaling")
-        # With no mask to honour but the causal one and every row from `first` on past the window
-        # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
-        # rows gets one.
-        unmasked = self.store.per_forward(
-            ("unmasked", kv_len, id(attention_mask)),  # the mask lives through the forward: its id names it there
-            lambda: not hides_keys(attention_mask, kv_len) and bool(extended[:, first:].all()) and offset + first >= window,
-        )
-        if unmasked:
+        if step.unmasked:
             outputs.append(
                 self._unmasked_rows(
                     q_own[:, :, first:] if first else q_own, k_own, q_group, k_group, value, offset + first, window, scaling
@@ -188,10 +183,59 @@ class TwoPartAttention(RotatesWithStore):
                 )
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
-    @staticmethod
-    def _switched(extended: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    def shared(self, q_len: int, kv_len: int, q_dtype, k_dtype, attention_mask) -> TwoParts:
+        """What every layer of a forward with these lengths, dtypes and mask shares: computed by the
+        first such layer, in this one call, and read by the others."""
+        rotator = self.rotator
+        frame, method, params = rotator.frame, rotator.method, rotator.params
+        trained = rotator.geometry.original_window
+        k_pos = rotator.key_positions(kv_len)
+        inv_freq, scale = frame.angles(trained)  # the method's frequencies (the trained ones, or string's over YaRN)
+        # [B, Sq]: queries that attend in two parts; the first row that does (None: none does)
+        extended = method.switched(frame, trained, params)
         rows = extended.any(0).nonzero()
-        return extended, (int(rows[0]) if rows.numel() else None)
+        first = int(rows[0]) if rows.numel() else None
+        grouped = method.grouped and first is not None
+        # with grouped distant positions, the own ones as one group: one rotation serves both
+        own = (lambda at: at[..., None]) if grouped else (lambda at: at)
+        q_maps = (own,) if first is None else (own, lambda at: method.distant_query(at, params))
+        if first is None or method.distant_keys_own:
+            names, k_maps = ("own",), (own,)
+        else:
+            names, k_maps = ("own", "distant"), (own, lambda at: method.distant_key(at, params))
+        window, held = method.near_window(params), kv_len - q_len
+        return TwoParts(
+            k_pos=k_pos,
+            angles=(inv_freq, scale),
+            grouped=grouped,
+            first=first,
+            extended=extended,
+            window=window,
+            names=names,
+            k_maps=k_maps,
+            queries=rotator.factors([at(frame.q_pos) for at in q_maps], inv_freq, scale, q_dtype, grouped),
+            new_keys=(held, rotator.factors([at(k_pos[:, held:]) for at in k_maps], inv_freq, scale, k_dtype, grouped)),
+            # with no mask to honour but the causal one and every row from `first` on past the window
+            # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
+            # rows gets one
+            unmasked=first is not None
+            and not hides_keys(attention_mask, kv_len)
+            and bool(extended[:, first:].all())
+            and held + first >= window,
+        )
+
+    def _key_factors(self, step: TwoParts, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared (cos, sin) of keys start:stop under the step's key maps: the forward's new
+        keys from the step, any other span (a cache the store does not serve) once per forward."""
+        if start == step.new_keys[0] and stop == step.k_pos.shape[-1]:
+            return step.new_keys[1]
+        return self.rotator._factors(
+            ("keys", step.names, start, stop),
+            lambda: [at(step.k_pos[:, start:stop]) for at in step.k_maps],
+            *step.angles,
+            dtype,
+            step.grouped,
+        )
 
     @staticmethod
     def _unmasked_rows(q_own, k_own, q_group, k_group, value, first, window, scaling):

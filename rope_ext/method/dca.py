@@ -25,12 +25,13 @@ runs: docs/concepts.md, "How the attention-side methods run".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
-from rope_ext.attention import RotatesWithStore, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
+from rope_ext.rotation import rotate_prepared
 
 from .attention_side import AttentionMethod
 from .base import ModelFacts, Param
@@ -65,10 +66,30 @@ class ChunkRows:
     inter: torch.Tensor
 
 
-class DualChunkAttention(RotatesWithStore):
-    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
-    rotation store, `store`). Queries below chunk_size attend through the backend with their own
-    positions; the others attend their chunk, the chunk before and the earlier chunks as calls
+@dataclass
+class ChunkStep:
+    """What the layers of a forward share in DualChunkAttention (`shared`): the keys' positions
+    [1, kv_len], the frequencies, the position of key index 0 (`first`), the rows attended at their
+    own positions (`exact`) and the others' chunks, the kept key map and its name (RotatedKeys), the
+    prepared (cos, sin) of the exact rows, of the keys they see where not every row is exact, of
+    each chunk's rows, and (held, those of the keys from `held` on: the forward's new keys)."""
+
+    k_pos: torch.Tensor
+    angles: tuple
+    first: int
+    exact: int
+    chunks: list
+    names: tuple
+    key_map: Callable
+    queries: tuple | None
+    own_keys: tuple | None
+    chunk_queries: list
+    new_keys: tuple
+
+
+class DualChunkAttention(RotatingTransform):
+    """Rotates queries and keys itself, with its rotator. Queries below chunk_size attend through
+    the backend with their own positions; the others attend their chunk, the chunk before and the earlier chunks as calls
     merged by log-sum-exp. Positions must be those of one unpadded sequence (the same in every row). The keys
     are kept rotated to their place in their chunk (one copy of the key cache, RotatedKeys), and to
     their own positions while every query is below min(c + 1, 2s) (a second copy, of at most that
@@ -76,58 +97,94 @@ class DualChunkAttention(RotatesWithStore):
     (scale_queries)."""
 
     def scale_queries(self, query: torch.Tensor) -> torch.Tensor:
-        """The store's scale_queries (logn), then t(n)^2 where `temperature` is on."""
-        query = self.store.scale_queries(query)
-        if not self.rotary.params["temperature"]:
+        """The rotator's scale_queries (logn), then t(n)^2 where `temperature` is on."""
+        query = self.rotator.scale_queries(query)
+        if not self.rotator.params["temperature"]:
             return query
         # a factor on the queries reaches every part they are attended in, as the engines' factor on
         # the softmax scale and the keys does
-        scale = self.store.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
+        scale = self.rotator.per_forward(("temperature", query.dtype), lambda: self._temperature(query.dtype))
         return query if scale is None else query * scale
 
     def _temperature(self, dtype: torch.dtype) -> torch.Tensor | None:
         """[B, 1, Sq, 1]: t(n)^2 for each query row, n the length it has seen (causal) or the
         forward's (the engines' prefill); None where every n is at most the trained window L."""
-        q_pos, window = self.store.frame.q_pos, self.rotary.geometry.original_window
-        seen = q_pos + 1 if self.rotary.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
+        q_pos, window = self.rotator.frame.q_pos, self.rotator.geometry.original_window
+        seen = q_pos + 1 if self.rotator.params["causal"] else (q_pos.amax(-1, keepdim=True) + 1).expand_as(q_pos)
         if not bool((seen > window).any()):
             return None
         t = (0.1 * torch.log(seen.double() / window) + 1.0).clamp(min=1.0)
         return (t * t)[:, None, :, None].to(dtype)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        query, k_pos = self.scale_queries(query), self.store.key_positions(key.shape[-2])
-        rotary = self.rotary
+        rotator = self.rotator
+        query = self.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        first = self.store.one_sequence(attention_mask, kv_len, q_len, rotary.method.name)
-        chunk, local = rotary.params["chunk_size"], rotary.params["local_size"]
-        span = chunk - local  # s: the chunk length
-        frame = self.store.frame
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)
-        positions = frame.q_pos[:1]  # [1, Sq]
-        exact, chunks = self.store.per_forward(("rows",), lambda: self._rows(positions[0], span, chunk))
+        step = rotator.per_forward(
+            ("chunks", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
+            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
+        )
+        # every key at its own position while every query is below min(c + 1, 2s), else at its place
+        # in its chunk: rotated once and kept between forwards
+        keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
+        keys = keys[:, :, 0]
+        exact, pairing = step.exact, rotator.pairing
         outputs = []
         offset = kv_len - q_len
         if exact:
-            q_own = self.store.rotate_to(query[:, :, :exact], "own", lambda: (positions[:, :exact],), inv_freq, scale)
-            q_own = self.store.temper(q_own, 0, exact)[:, :, 0]
-            if exact == q_len:  # every key below min(c + 1, 2s): kept at its own position while the queries are
-                k_own = self.store.keys_at(module, key, ("own",), k_pos[:1], (lambda at: at,), inv_freq, scale)[:, :, 0]
-            else:
-                end = offset + exact
-                k_own = self.store.rotate_to(key[:, :, :end], ("own keys", kv_len), lambda: (k_pos[:1, :end],), inv_freq, scale)[
-                    :, :, 0
-                ]
+            q_own = rotator.temper(rotate_prepared(query[:, :, :exact].unsqueeze(2), *step.queries, *pairing), 0, exact)[:, :, 0]
+            k_own = (
+                keys
+                if exact == q_len
+                else rotate_prepared(key[:, :, : offset + exact].unsqueeze(2), *step.own_keys, *pairing)[:, :, 0]
+            )
             outputs.append(exact_rows(module, q_own, k_own, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
-            # every key at its place in its chunk, rotated once and kept between forwards
-            keys = self.store.keys_at(module, key, ("in chunk",), k_pos[:1], (lambda at: at % span,), inv_freq, scale)[:, :, 0]
-            for rows in chunks:
-                outputs.append(
-                    self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, first, inv_freq, scale, scaling)
-                )
+            for rows, factors in zip(step.chunks, step.chunk_queries):
+                outputs.append(self._chunk_rows(query[:, :, rows.lo : rows.hi], keys, value, rows, factors, step.first, scaling))
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+    def shared(self, q_len: int, kv_len: int, q_dtype, k_dtype, attention_mask) -> ChunkStep:
+        """What every layer of a forward with these lengths, dtypes and mask shares: computed by the
+        first such layer, in this one call, and read by the others."""
+        rotator = self.rotator
+        k_pos = rotator.key_positions(kv_len)[:1]
+        first = rotator.one_sequence(attention_mask, kv_len, q_len, rotator.method.name)
+        chunk, local = rotator.params["chunk_size"], rotator.params["local_size"]
+        span = chunk - local  # s: the chunk length
+        frame = rotator.frame
+        inv_freq, scale = frame.angles(rotator.geometry.original_window)
+        positions = frame.q_pos[:1]  # [1, Sq]
+        exact, chunks = self._rows(positions[0], span, chunk)
+        if exact == q_len:
+            names, key_map = ("own",), (lambda at: at)
+        else:
+            names, key_map = ("in chunk",), (lambda at: at % span)
+        held, end = kv_len - q_len, kv_len - q_len + exact
+        return ChunkStep(
+            k_pos=k_pos,
+            angles=(inv_freq, scale),
+            first=first,
+            exact=exact,
+            chunks=chunks,
+            names=names,
+            key_map=key_map,
+            queries=rotator.factors([positions[:, :exact]], inv_freq, scale, q_dtype) if exact else None,
+            own_keys=rotator.factors([k_pos[:, :end]], inv_freq, scale, k_dtype) if 0 < exact < q_len else None,
+            # the rows of chunk n: n names their positions
+            chunk_queries=[rotator.factors([r.within, r.successive, r.inter], inv_freq, scale, q_dtype) for r in chunks],
+            new_keys=(held, rotator.factors([key_map(k_pos[:, held:])], inv_freq, scale, k_dtype)),
+        )
+
+    def _key_factors(self, step: ChunkStep, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared (cos, sin) of keys start:stop at their kept positions: the forward's new keys
+        from the step, any other span (a cache the store does not serve) once per forward."""
+        if start == step.new_keys[0] and stop == step.k_pos.shape[-1]:
+            return step.new_keys[1]
+        return self.rotator._factors(
+            ("keys", step.names, start, stop), lambda: [step.key_map(step.k_pos[:, start:stop])], *step.angles, dtype
+        )
 
     @staticmethod
     def _rows(positions: torch.Tensor, span: int, chunk: int) -> tuple[int, list]:
@@ -155,19 +212,18 @@ class DualChunkAttention(RotatesWithStore):
             )
         return exact, found
 
-    def _chunk_rows(self, query, keys, value, rows: ChunkRows, first, inv_freq, scale, scaling):
+    def _chunk_rows(self, query, keys, value, rows: ChunkRows, factors, first, scaling):
         """The rows of one chunk n: [B, rows, H, D] from the intra-, successive- and inter-chunk parts,
         each a call without a mask (masked calls of the CPU kernel are slower, and a mask is a [rows,
         keys] tensor). Key index k holds position first + k: keys before `first` (a forward whose
         positions do not start at 0, without the cache of the earlier ones) are not there to attend."""
-        n, span = rows.n, self.rotary.params["chunk_size"] - self.rotary.params["local_size"]
+        n, span = rows.n, self.rotator.params["chunk_size"] - self.rotator.params["local_size"]
         start = max(0, n * span - first)  # key index where chunk n begins
         previous = max(0, (n - 1) * span - first)  # key index where chunk n - 1 begins
         lo = rows.position - first  # key index of the first row; row r is key lo + r
         end = lo + query.shape[-2]
-        # the rows of chunk n are the same in every layer of the forward: n names their positions
-        queries = self.store.rotate_to(query, ("chunk", n), lambda: (rows.within, rows.successive, rows.inter), inv_freq, scale)
-        q_intra, q_succ, q_inter = self.store.temper(queries, rows.lo, rows.hi).unbind(2)
+        queries = rotate_prepared(query.unsqueeze(2), *factors, *self.rotator.pairing)
+        q_intra, q_succ, q_inter = self.rotator.temper(queries, rows.lo, rows.hi).unbind(2)
         if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
             parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
         else:

@@ -11,7 +11,7 @@ so a patched model matches a natively configured one bit-for-bit, and `native` g
 `rope_parameters` under which transformers reloads the patch by itself.
 
 The dynamic methods also take `logn`, Qwen's log-n scale of the queries past the trained window,
-which their attention applies (rope_ext.attention.RotateInAttention.scale_queries, docs/logn.md).
+which their attention applies (rope_ext.attention.Rotator.scale_queries, docs/logn.md).
 The static ones cannot: the model's own attention applies their (cos, sin) to queries and keys.
 """
 

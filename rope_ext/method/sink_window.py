@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rope_ext.attention import RotatesWithStore, attend_with_lse, exact_rows, merge_by_lse, window_parts
+from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -107,26 +107,25 @@ class SinkWindowCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-class SinkWindowAttention(RotatesWithStore):
-    """Rotates queries and keys itself (in place of RotateInAttention, which it holds as its
-    rotation store, `store`). The positions must be those of one unpadded sequence that starts at
-    0 (the same in every row). The keys it receives are key index = position, or, from a
+class SinkWindowAttention(RotatingTransform):
+    """Rotates queries and keys itself, with its rotator. The positions must be those of one
+    unpadded sequence that starts at 0 (the same in every row). The keys it receives are key index = position, or, from a
     SinkWindowCache that let keys go, the sinks followed by the newest keys. A DynamicCache's keys
     are kept rotated to their own positions (one copy of the key cache, RotatedKeys); a
     SinkWindowCache's (at most sinks + window keys) are rotated at every forward."""
 
-    def __init__(self, rotary):
-        super().__init__(rotary)
+    def __init__(self, rotator):
+        super().__init__(rotator)
         self._hooks: list = []
 
     def attach(self, site) -> None:
-        """The store's hooks, and around them this transform's, which mark a SinkWindowCache as
+        """The rotator's hooks, and around them this transform's, which mark a SinkWindowCache as
         served while the forward runs: hooks run in the order they were registered, so the mark is
-        set after the store's pre-hook has taken the forward's cache (its `pending_cache`) and
-        cleared before its forward hook lets the cache go. Bound methods, as the store's: a
+        set after the rotator's pre-hook has taken the forward's cache (its `pending_cache`) and
+        cleared before its forward hook lets the cache go. Bound methods, as the rotator's: a
         `copy.deepcopy` of the model gets the copy's."""
         after = site.decoder.register_forward_hook(self._after_forward, with_kwargs=True)
-        self.store.attach(site)
+        self.rotator.attach(site)
         before = site.decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._hooks = [before, after]
 
@@ -134,27 +133,27 @@ class SinkWindowAttention(RotatesWithStore):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.store.detach(site)
+        self.rotator.detach(site)
 
     def _before_forward(self, module, args, kwargs) -> None:
-        cache = self.store.pending_cache
+        cache = self.rotator.pending_cache
         if isinstance(cache, SinkWindowCache):
-            cache.serve((self.rotary.params["sinks"], self.rotary.params["window"]))
+            cache.serve((self.rotator.params["sinks"], self.rotator.params["window"]))
 
     def _after_forward(self, module, args, kwargs, output) -> None:
-        cache = self.store.pending_cache
+        cache = self.rotator.pending_cache
         if isinstance(cache, SinkWindowCache):
             cache.serve(None)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        frame = self.store.frame
+        frame = self.rotator.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        self.store.key_positions(kv_len)
-        self.store.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
+        self.rotator.key_positions(kv_len)
+        self.rotator.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
         written = frame.k_pos.shape[-1]
         let_go = written - kv_len  # keys between the sinks and the window that the cache no longer holds
-        pairing, trained = self.rotary.geometry.pairing, self.rotary.geometry.original_window
-        sinks, window = self.rotary.params["sinks"], self.rotary.params["window"]
+        pairing, trained = self.rotator.geometry.pairing, self.rotator.geometry.original_window
+        sinks, window = self.rotator.params["sinks"], self.rotator.params["window"]
         if let_go and kv_len != sinks + window - 1 + q_len:
             raise ValueError(
                 f"{NAME}: the KV cache returned {kv_len} of {written} keys, not the sinks and the window a "
@@ -165,21 +164,21 @@ class SinkWindowAttention(RotatesWithStore):
         # the positions of the keys received: past the sinks, indices skip the keys let go
         k_pos = frame.k_pos[:1] if not let_go else torch.cat((frame.k_pos[:1, :sinks], frame.k_pos[:1, sinks + let_go :]), dim=-1)
         # every key rotated once to its own position, kept between forwards (a DynamicCache's)
-        k_all = self.store.keys_at(module, key, ("own",), k_pos, (lambda at: at,), inv_freq, scale)[:, :, 0]
+        k_all = self.rotator.keys_at(module, key, ("own",), k_pos, (lambda at: at,), inv_freq, scale)[:, :, 0]
         span = sinks + window
         offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
         outputs = []
         if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
             q_own = rotate_prepared(
-                query[:, :, :exact].unsqueeze(2), *self.store.frame_factors(trained, False, 0, exact, query.dtype), *pairing
+                query[:, :, :exact].unsqueeze(2), *self.rotator.frame_factors(trained, False, 0, exact, query.dtype), *pairing
             )
             q_own = q_own[:, :, 0]
             outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
         if exact < q_len:
             scaling = kwargs.get("scaling")
             # the rows past the span at their own positions, and at sinks + window - 1 for the sinks
-            queries = self.store.rotate_to(
+            queries = self.rotator.rotate_to(
                 query[:, :, exact:],
                 ("past the span", exact),
                 lambda: (frame.q_pos[:1, exact:], frame.q_pos.new_full((1, q_len - exact), span - 1)),

@@ -13,7 +13,8 @@ import torch
 from transformers import DynamicCache
 
 import rope_ext
-import rope_ext.attention.rotate
+import rope_ext.attention.rotator
+import rope_ext.attention.schedule
 import rope_ext.rotation
 
 from helpers import assert_kept_keys_follow_the_cache, load_llama, random_ids, random_model
@@ -110,7 +111,7 @@ def test_causal_schedule_holds_cos_sin_of_a_few_groups(tiny_model, heldout_ids, 
         tiny_model(heldout_ids[None, :length])
     one_set = 2 * length * tiny_model.config.head_dim  # cos and sin of every key
     held = counter.held() / one_set
-    assert held <= rope_ext.attention.rotate.RotateInAttention.HELD_GROUPS + 1, held
+    assert held <= rope_ext.attention.schedule.RotateInAttention.HELD_GROUPS + 1, held
 
 
 class RotatedRows:
@@ -118,14 +119,14 @@ class RotatedRows:
 
     def __init__(self, monkeypatch):
         self.rows = 0
-        for name in ("rotate_prepared",):
-            original = getattr(rope_ext.attention.rotate, name)
+        for module in (rope_ext.attention.rotator, rope_ext.attention.schedule):
+            original = module.rotate_prepared
 
             def counted(x, *args, original=original, **kwargs):
                 self.rows += x.shape[-2]
                 return original(x, *args, **kwargs)
 
-            monkeypatch.setattr(rope_ext.attention.rotate, name, counted)
+            monkeypatch.setattr(module, "rotate_prepared", counted)
 
 
 @pytest.mark.parametrize("method", ["dynamic", "dynamic_yarn"])

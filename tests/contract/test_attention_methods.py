@@ -29,7 +29,7 @@ from transformers import DynamicCache, StaticCache
 
 import rope_ext
 import rope_ext.rotation
-from rope_ext.attention.rotate import RotatedKeys
+from rope_ext.attention.keys import RotatedKeys
 
 from helpers import (
     WINDOW,

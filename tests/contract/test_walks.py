@@ -1,6 +1,7 @@
 """Short walks: how many of rope-ext's files a call passes through. `patch()` enters no method module
 it does not use, and one decode step of a method that rotates inside attention enters a few files
-per layer (issue #39, item 4). The walk is recorded with `sys.setprofile`; run this file as a script
+and calls per layer (issue #39, item 4), its first layer computing what the forward shares in one
+call (issue #52, item 4). The walk is recorded with `sys.setprofile`; run this file as a script
 to print the measures (`cd tests && PYTHONPATH=. ../.venv/bin/python contract/test_walks.py`).
 """
 
@@ -138,25 +139,49 @@ def test_patch_enters_no_method_module_it_does_not_use(method):
     assert families <= FAMILY_MODULES, sorted(families - FAMILY_MODULES)
 
 
-# A decode step past the trained window of an attention-side method, in each layer: the attention
-# interface, the rotation in attention (rotate.py), the method's own module, the rotation function
-# (rotation.py) and the attention parts it merges (attention/parts.py). The first layer of a
-# forward also computes what every layer shares (the frequencies, the method's schedule):
-# (first layer, every other layer) at most.
-LAYER_FILES = {"self_extend": (8, 5), "rerope": (8, 5), "dca": (8, 5)}
+# A decode step past the trained window of a method that rotates inside attention, in each layer:
+# the attention interface, the rotator (attention/rotator.py), the transform's own module (an
+# attention-side method's, or the dynamic methods' schedule), the rotation function (rotation.py)
+# and, for the attention-side methods, the attention parts they merge (attention/parts.py). The
+# first layer of a forward also computes what every layer shares (the frequencies, the method's
+# schedule and positions, their cos/sin): (files of the first layer, files of every other layer,
+# calls of every other layer) at most.
+LAYER_FILES = {
+    "self_extend": (7, 5, 28),
+    "rerope": (7, 5, 28),
+    "dca": (6, 5, 29),
+    "dpe": (7, 5, 28),
+    "dynamic": (7, 4, 20),
+}
 
 
 @pytest.mark.parametrize("method", sorted(LAYER_FILES))
 def test_a_decode_step_enters_a_few_files_per_layer(method):
-    """The attention transform reads what a forward hands it (the rotary module's frame and pending
-    cache, the geometry's pairing) as values, not through calls into rotary.py and geometry.py in
-    every layer."""
+    """The attention transform reads what a forward hands it (the rotator's frame, pending cache,
+    kept keys and pairing) as values, not through calls into rotary.py, geometry.py or the kept
+    keys' store (attention/keys.py) in every layer."""
     first, *others = decode_walk(method, factor=4).by_layer()[1:]
-    bound_first, bound = LAYER_FILES[method]
+    bound_first, bound, calls = LAYER_FILES[method]
     assert len({f for f, _ in first}) <= bound_first, sorted({f for f, _ in first})
     for layer in others:
         files = {f for f, _ in layer}
-        assert len(files) <= bound and not files & {"rope_ext/rotary.py", "rope_ext/geometry.py"}, sorted(files)
+        assert len(layer) <= calls, Counter(f for f, _ in layer)
+        assert len(files) <= bound and not files & {"rope_ext/rotary.py", "rope_ext/geometry.py", "rope_ext/attention/keys.py"}, (
+            sorted(files)
+        )
+
+
+@pytest.mark.parametrize("method", sorted(LAYER_FILES))
+def test_the_first_layer_computes_what_the_forward_shares_in_one_call(method):
+    """A decode step's later layers make the first layer's calls less one run: the call in which the
+    first computes what every layer of the forward shares (the transform's `shared`: frequencies,
+    the method's schedule and positions, the queries' and the new keys' cos/sin), which the others
+    read as one value."""
+    first, steady = decode_walk(method, factor=4).by_layer()[1:3]
+    same = next(i for i, (a, b) in enumerate(zip(first, steady)) if a != b)
+    run = len(first) - len(steady)
+    assert first[:same] + first[same + run :] == steady
+    assert "shared" in {function for _, function in first[same : same + 2]}, first[same : same + 2]
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -195,7 +220,7 @@ def report() -> None:
         print(f"patch(model, {method!r}): {len(walk.files())} files, {len(walk.calls())} calls")
         for file in sorted(walk.files()):
             print("   ", file)
-    for method in ("self_extend", "rerope", "dca"):
+    for method in sorted(LAYER_FILES):
         walk = decode_walk(method, factor=4)
         pre, *layers = walk.by_layer()
         print(

@@ -1,4 +1,4 @@
-"""logn: Qwen's log-n attention scale (RotateInAttention.scale_queries, docs/logn.md) on the methods
+"""logn: Qwen's log-n attention scale (rope_ext.attention.Rotator.scale_queries, docs/logn.md) on the methods
 whose attention rotates each query itself, on the tiny trained model (window 128)."""
 
 import math

@@ -1,5 +1,5 @@
 """Llama 4's attention temperature as a parameter of the methods whose attention rotates each query
-itself (`attn_scale`, `floor_scale`; rope_ext.attention.RotateInAttention.temper, docs/logn.md):
+itself (`attn_scale`, `floor_scale`; rope_ext.attention.Rotator.temper, docs/logn.md):
 the rotated query at position p times 1 + attn_scale * log1p(floor((p + 1) / floor_scale)), as
 transformers 5's Llama4TextAttention.forward computes it (models/llama4/modeling_llama4.py, under
 attn_temperature_tuning) and Ministral3Attention (models/ministral3/modeling_ministral3.py,

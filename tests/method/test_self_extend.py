@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import rope_ext
 from rope_ext.attention import parts as attention
-from rope_ext.attention import AttentionTransform
+from rope_ext.attention import AttentionTransform, Rotator
 from rope_ext import loading
 from rope_ext.method import attention_side, self_extend
 
@@ -56,7 +56,7 @@ def test_matches_the_definition_in_blocks_chunks_decoding_and_padded_batches(mon
     with torch.no_grad():
         set_chain(model, [NaiveSelfExtend(rotary, group, window)])
         reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
-        set_chain(model, [attention_side.TwoPartAttention(rotary)])
+        set_chain(model, [attention_side.TwoPartAttention(Rotator(rotary))])
         # rows past the window attend through attend_with_lse: record the masks it gets
         masks = []
         attend_with_lse = attention.attend_with_lse

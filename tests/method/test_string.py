@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 import rope_ext
-from rope_ext.attention import AttentionTransform
+from rope_ext.attention import AttentionTransform, Rotator
 from rope_ext.method import rope, string
 from rope_ext.method.attention_side import TwoPartAttention
 
@@ -67,7 +67,7 @@ def test_matches_the_definition_in_one_forward_chunks_decoding_and_a_padded_batc
     with torch.no_grad():
         set_chain(model, [NaiveString(rotary, shift, local)])
         reference, shorter = model(ids).logits, model(ids[:, pad:]).logits
-        set_chain(model, [TwoPartAttention(rotary)])
+        set_chain(model, [TwoPartAttention(Rotator(rotary))])
         full = model(ids).logits
         cache = DynamicCache(config=model.config)
         chunked = torch.cat([model(c, cache=cache, use_cache=True).logits for c in ids.split(37, dim=1)], dim=1)
