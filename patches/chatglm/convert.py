@@ -35,7 +35,7 @@ from torch import nn
 
 from rope_ext.arguments import ROPE_RATIO_MEANINGS as MEANINGS
 
-from ..base import unwrap
+from .. import unwrap
 from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
 # how messages name the rope_ratio_meaning option: convert_chatglm's keyword, the command's flag
@@ -220,10 +220,10 @@ def _load_source(src, rope_ratio_meaning: str | None, spelling: str):
     if isinstance(src, nn.Module):
         adapter = ChatGLMFamily()
         model = unwrap(src)
-        if not adapter.matches(model):
+        if getattr(model.config, "model_type", None) not in adapter.model_types:
             raise ValueError(f"not a ChatGLM model: {type(model).__name__}")
         site = adapter.site(model)
-        if adapter.installed(site) is not None:
+        if site.installed is not None:
             raise ValueError("this model is patched by rope_ext; unpatch it before converting")
         config = model.config.to_dict()
         _check_supported(config)
