@@ -36,8 +36,8 @@ from rope_ext.attention import AttentionTransform
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
 from rope_ext.record import Patch
-from rope_ext.rotary import DynamicRotation, with_position_ratio
-from rope_ext.rotation import RotationFrame, cos_sin
+from rope_ext.rotary import DynamicRotation, PatchRotary, with_position_ratio
+from rope_ext.rotation import cos_sin
 from rope_ext.shipped import Shipped
 
 from ..base import FamilyAdapter, ModelReading
@@ -172,7 +172,7 @@ def _returned_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-class ChatGLMRotaryEmbedding(nn.Module):
+class ChatGLMRotaryEmbedding(PatchRotary):
     """Drop-in for ChatGLM's `rotary_pos_emb`: `forward(max_seq_len, offset=0)` returns the
     [L, D/2, 2] (cos, sin) table, from fp32 positions and angles, cast to the dtype the original's
     table had. The table covers every position the current forward uses (a pre-forward hook on the
@@ -182,44 +182,27 @@ class ChatGLMRotaryEmbedding(nn.Module):
     name, so the state dict keeps its keys."""
 
     def __init__(
-        self,
-        method: Method,
-        factor: float,
-        params: dict,
-        geometry: RotaryGeometry,
-        original: dict,
-        original_module: nn.Module,
+        self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, original: dict, original_module: nn.Module
     ):
-        super().__init__()
-        self.position_ratio = float(original["position_ratio"])
-        method = with_position_ratio(method, self.position_ratio)
-        self.method, self.factor, self.params, self.geometry = method, factor, dict(params), geometry
-        self.original = original
+        ratio = float(original["position_ratio"])
+        super().__init__(with_position_ratio(method, ratio), factor, params, geometry, original)
+        self.position_ratio = ratio
         self._replaced = (original_module,)  # a tuple, so it is not registered as a submodule
-        inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
-        self.scaled_inv_freq = nn.Buffer(inv_freq.to(original_module.inv_freq.device), persistent=False)
+        self.scaled_inv_freq = nn.Buffer(self.scaled(original_module.inv_freq.device), persistent=False)
         self.inv_freq = nn.Buffer(original_module.inv_freq.detach().clone())
-        self.rotation = DynamicRotation(method, factor, self.params, geometry, self.scaled_inv_freq.device)
+        self.rotation = DynamicRotation(self.method, factor, self.params, geometry, self.scaled_inv_freq.device)
         self.needed_length = 0
         self._table: torch.Tensor | None = None
-
-    @property
-    def dynamic(self) -> bool:
-        return self.method.dynamic
 
     @property
     def original_module(self) -> nn.Module:
         return self._replaced[0]
 
-    @property
-    def frame(self) -> RotationFrame | None:
-        return self.rotation.current()
-
     def _apply(self, fn, recurse=True):
         # A cast of the model casts `inv_freq` (it sets the table's dtype, as in the original);
         # the frequencies stay fp32.
         super()._apply(fn, recurse)
-        self.scaled_inv_freq = self.method(self.geometry, None, self.factor, self.params)[0].to(self.inv_freq.device)
+        self.scaled_inv_freq = self.scaled(self.inv_freq.device)
         self.rotation.device = self.inv_freq.device
         self._table = None
         return self
