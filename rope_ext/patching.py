@@ -149,7 +149,7 @@ def patch(
     saved = record.read(record.holder(hf_model.config)) if _saved is None else _saved
     reading = adapter.read(hf_model, original_window, saved)
     site, original, geometry, facts = reading.site, reading.original, reading.geometry, reading.facts
-    own_config(site.model)
+    own_config(hf_model)
     if _saved is None and (inherited := reading.shipped.params(spec, given)):
         # the shipped scaling's own parameters re-applied (gpt-oss's truncate, DeepSeek's mscale)
         spec, factor, params = methods.check(method, factor, {**inherited, **given})
@@ -161,19 +161,20 @@ def patch(
             raise
         raise ValueError(f"{_saved.source}: key {record.CONFIG_KEY}.params: {err}") from None
     applied = Patch(method, factor, params, original, geometry, reading.layer_types)
+    length, window = applied.max_length, applied.original_window
     # refusal
-    if applied.max_length > MAX_POSITIONS:
+    if length > MAX_POSITIONS:
         raise ValueError(
-            f"{method} x{factor:.15g} over a {applied.original_window}-token window is meant for {applied.max_length} "
+            f"{method} x{factor:.15g} over a {window}-token window is meant for {length} "
             f"tokens, past {MAX_POSITIONS}, the bound of every size rope-ext takes (max_position_embeddings is written "
-            f"from it); use a factor of at most {MAX_POSITIONS // applied.original_window}"
+            f"from it); use a factor of at most {MAX_POSITIONS // window}"
         )
-    if (refused := refusal(spec, facts, applied.max_length)) is not None:
+    if (refused := refusal(spec, facts, length)) is not None:
         raise ValueError(refused)  # what the method requires against what the model is, in one place
     served = reading.shipped.served
-    if _saved is None and served is not None and applied.max_length < served and not allow_shrink:
+    if _saved is None and served is not None and length < served and not allow_shrink:
         raise ValueError(
-            f"{method} x{factor:g} over a {applied.original_window}-token window is meant for {applied.max_length} tokens, "
+            f"{method} x{factor:g} over a {window}-token window is meant for {length} tokens, "
             f"fewer than the {served} this checkpoint serves as loaded; leave original_window out to extend the shipped "
             "model, raise the factor, or pass allow_shrink=True (--allow-shrink) to read less"
         )
@@ -181,7 +182,7 @@ def patch(
     rotary = adapter.build(reading, spec, factor, params)
     if saved is not None and site.installed is None:
         # what the record says the checkpoint was, against what its config states
-        recorded = (rotary, applied.max_length) if _saved is not None else _recorded_rotary(adapter, hf_model, saved, facts)
+        recorded = (rotary, length) if _saved is not None else _recorded_rotary(adapter, hf_model, saved, facts)
         record.check_stated(site.config, adapter.config_written(site, *recorded), saved)
     chain = attention_chain(spec, rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
@@ -189,25 +190,24 @@ def patch(
     # install: everything that can fail has run; from here on the model changes.
     starts_from = {
         "scaling": None,
-        "window": applied.original_window,
+        "window": window,
         "source": "original_window=",
         **original.get("starts_from", {}),
     }
     if shipped := shipped_of(rotary.method):
         starts_from["attention_factor"] = shipped.attention_factor
     with record.unlisted_keys_quiet():  # install builds the written config back to check it
-        native = adapter.install(site, rotary, chain, applied.max_length)
+        native = adapter.install(site, rotary, chain, length)
     if _saved is None and starts_from["source"] == "max_position_embeddings":
         warnings.warn(
-            f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "
+            f"rope_ext: the trained window is taken as {window} tokens from max_position_embeddings alone "
             "(no scaling or other config field states it); if the model was trained on fewer, pass "
             "original_window=<tokens>",
             UserWarning,
             stacklevel=2,
         )
-    config = site.config
-    record.write(config, applied)
-    PatchedModel(site.model, method, applied.max_length, native is not None).install()
+    record.write(site.config, applied)
+    PatchedModel(site.model, method, length, native is not None).install()
     return PatchInfo(
         patch=applied,
         family=adapter.name,
