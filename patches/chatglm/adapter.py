@@ -348,7 +348,7 @@ class ChatGLMFamily(FamilyAdapter):
         of the hub code's attention; the family ships no scaling a patch extends and states no
         served context."""
         site = self.site(model)
-        original, _ = self.original_record(site, original_window, saved)
+        original = self.original_record(site, original_window, saved)
         return ModelReading(
             site=site,
             original=original,
@@ -358,7 +358,7 @@ class ChatGLMFamily(FamilyAdapter):
             shipped=Shipped(),
         )
 
-    def original_record(self, site: ChatGLMSite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
+    def original_record(self, site: ChatGLMSite, original_window: int | None, saved: Patch | None) -> dict:
         """The checkpoint's rotary convention, read from the live module (or kept by the current
         patch), and its window: seq_length unless `original_window` says otherwise, or for a model
         reloaded from a patched checkpoint the window of the patch `saved` its config records."""
@@ -371,7 +371,7 @@ class ChatGLMFamily(FamilyAdapter):
             record["original_window"] = saved.original_window if saved else config.seq_length
         if original_window is not None:
             record["original_window"] = original_window
-        return record, current is None
+        return record
 
     def geometry(self, site: ChatGLMSite, record: dict) -> RotaryGeometry:
         # `read_convention` already checked the live module against the record when it was made.
