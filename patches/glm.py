@@ -12,12 +12,11 @@ derived).
 
 from __future__ import annotations
 
-from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method
 from rope_ext.record import Patch
 from rope_ext.rotary import ExtendedRotaryEmbedding, position_geometry, with_position_ratio
 
-from .base import FamilyAdapter
+from .base import ModelReading
 from .llama import LlamaFamily, RotarySite
 
 
@@ -32,19 +31,15 @@ class GlmFamily(LlamaFamily):
     name = "glm"
     model_types = ("glm", "glm4")
 
-    # the named families' match by model type, not LlamaFamily's claim of every model (the function
-    # itself, not a method calling it: choosing the adapter of another model enters no code here)
-    matches = FamilyAdapter.matches
-
     def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
-        fresh = self.installed(site) is None and saved is None
+        fresh = site.installed is None and saved is None
         if fresh and original_window is None and checkpoint_position_ratio(site.config.rope_parameters) != 1:
             original_window = site.config.max_position_embeddings
         return super().original_record(site, original_window, saved)
 
-    def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
-        ratio = checkpoint_position_ratio(record["rope_parameters"])
-        return super().build(site, with_position_ratio(spec, ratio), factor, params, geometry, record)
+    def build(self, reading: ModelReading, spec: Method, factor: float, params: dict):
+        ratio = checkpoint_position_ratio(reading.original["rope_parameters"])
+        return super().build(reading, with_position_ratio(spec, ratio), factor, params)
 
     def native(self, rotary: ExtendedRotaryEmbedding) -> dict | None:
         rope = rotary.original["rope_parameters"]

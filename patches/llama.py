@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from rope_ext.attention import AttentionChain, AttentionTransform, RotateInAttention, Rotator, base_name, registered_name
+from rope_ext.attention import AttentionChain, AttentionTransform, base_name, registered_name
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts, default_inv_freq, refusal
 from rope_ext.method.stated import CONFIG_KEY, stated_sizes
@@ -27,7 +27,9 @@ from rope_ext.rotary import ExtendedRotaryEmbedding
 from rope_ext.rotation import polar
 from rope_ext.shipped import (
     EXTENDABLE,
+    TEMPERATURE_SPLIT,
     WINDOW_KEYED,
+    Shipped,
     ShippedScaling,
     native_longrope,
     served_context,
@@ -35,7 +37,7 @@ from rope_ext.shipped import (
     with_shipped_base,
 )
 
-from .base import FamilyAdapter, unwrap
+from .base import FamilyAdapter, ModelReading
 from .probe import (
     ATTENTION_REFUSAL,
     PROBE_LENGTH,
@@ -53,8 +55,6 @@ from .probe import (
 
 # positions spread over a window, at which a native form is checked against the patch
 PROBE_POSITIONS = 257
-# yarn parameters that divide the temperature between cos/sin and the softmax scale (DeepSeek)
-TEMPERATURE_SPLIT = ("mscale", "mscale_all_dim")
 
 
 @dataclass
@@ -69,6 +69,11 @@ class RotarySite:
     nope: list[nn.Module]  # attention modules the patch leaves alone: without RoPE, or of a layer type it keeps
     # the live rotary module was built from the values unpatch restores (not a reload of a patched checkpoint)
     fresh: bool = True
+
+    @property
+    def installed(self) -> ExtendedRotaryEmbedding | None:
+        """The rope-ext rotary module installed here, or None."""
+        return self.rotary if isinstance(self.rotary, ExtendedRotaryEmbedding) else None
 
     def swap_rotary(self, rotary: nn.Module) -> None:
         owner, _, name = self.structure.rotary.rpartition(".")
@@ -86,6 +91,23 @@ class RotarySite:
     def layer_type(self) -> str | None:
         """The layer type whose frequencies the patch replaces, of a rotary module kept per layer type."""
         return self.structure.layer_type
+
+    @property
+    def layer_types(self) -> dict | None:
+        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per
+        layer type or of several rotary modules (with the modules: the one replaced, those kept,
+        those no layer uses); None for one set of frequencies."""
+        structure = self.structure
+        if not structure.layer_types:
+            return None
+        found = {"patched": list(structure.patched_types), "kept": list(structure.kept_types)}
+        if structure.kept_rotary or structure.unused_rotary:
+            found["rotary"] = {
+                "patched": [structure.rotary],
+                "kept": list(structure.kept_rotary),
+                "unused": list(structure.unused_rotary),
+            }
+        return found
 
     def rope_entry(self, rope: dict) -> dict:
         """The rope_parameters of the patched layers: `rope`, its entry for the patched type, or, of
@@ -282,6 +304,17 @@ def set_softmax_scales(site: RotarySite, rope: dict) -> None:
             module.scaling = scale
 
 
+def fixed_split(site: RotarySite, record: dict, rope: dict) -> tuple[str, ...]:
+    """The keys of DeepSeek's temperature split that the shipped scaling of the pre-patch values
+    `record` (its patched layers' flat entry `rope`) states and fixes for an extension of it: where
+    the split moves the softmax scale (ministral3 states one its attention does not read)."""
+    stated = tuple(key for key in TEMPERATURE_SPLIT if rope.get(key) is not None)
+    unscaled = rope_parameters(record["rope_parameters"], {"rope_type": "default"}, site.layer_type)
+    if stated and softmax_scales(site, record["rope_parameters"]) != softmax_scales(site, unscaled):
+        return stated
+    return ()
+
+
 def shipped_scaling(site: RotarySite, record: dict, original_cls: type) -> ShippedScaling | None:
     """The scaling the checkpoint ships, read from its own rotary class built from the pre-patch
     config values `record` (what the model computed before any patch, whatever dtype it was cast
@@ -340,11 +373,7 @@ class LlamaFamily(FamilyAdapter):
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj")  # the attention projections
     attention_interface = True
 
-    def matches(self, model: nn.Module) -> bool:
-        return getattr(unwrap(model), "config", None) is not None
-
-    def site(self, model: nn.Module) -> RotarySite:
-        hf_model = unwrap(model)
+    def site(self, hf_model: nn.Module) -> RotarySite:
         installed = next((m for m in hf_model.modules() if isinstance(m, ProbedRotaryEmbedding)), None)
         try:
             structure = installed.structure if installed is not None else probe(hf_model)
@@ -360,8 +389,26 @@ class LlamaFamily(FamilyAdapter):
             [hf_model.get_submodule(name) for name in structure.nope_attention],
         )
 
-    def installed(self, site: RotarySite) -> ExtendedRotaryEmbedding | None:
-        return site.rotary if isinstance(site.rotary, ExtendedRotaryEmbedding) else None
+    def read(self, model: nn.Module, original_window: int | None, saved: Patch | None) -> ModelReading:
+        """The probe's structure (or the installed patch's), the pre-patch values and the window a
+        patch starts from, the geometry (checked against the live module where it was built from
+        those values), what the probe proved and the config states, and the shipped scaling."""
+        site = self.site(model)
+        original, built_from_original = self.original_record(site, original_window, saved)
+        rope = site.rope_entry(original["rope_parameters"])
+        return ModelReading(
+            site=site,
+            original=original,
+            geometry=self.geometry(site, original, verify=built_from_original),
+            facts=self.facts(site),
+            layer_types=site.layer_types,
+            shipped=Shipped(
+                rope=rope,
+                scaling=(scaling := (original.get("starts_from") or {}).get("scaling")),
+                fixed=fixed_split(site, original, rope) if scaling is not None else (),
+                served=served_context(rope, original["max_position_embeddings"]),
+            ),
+        )
 
     def original_record(self, site: RotarySite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
         """The pre-patch config values (what unpatch restores, what geometry is read from) and
@@ -373,7 +420,7 @@ class LlamaFamily(FamilyAdapter):
         at that (pretraining) window; without it, a checkpoint that ships a llama3, yarn or linear
         scaling is extended from that scaling at the context it serves (rope_ext.shipped), and one
         without a scaling from max_position_embeddings, unless a field states the window."""
-        if (current := self.installed(site)) is not None:
+        if (current := site.installed) is not None:
             record = copy.deepcopy(current.original)
             if original_window is not None:
                 record["original_window"] = original_window
@@ -407,33 +454,6 @@ class LlamaFamily(FamilyAdapter):
                 f"{derived['starts_from']}: the record was edited after the save; put back the value it was saved with"
             )
         return record, not saved
-
-    def shipped_params(self, site: RotarySite, record: dict, method: Method, given: dict) -> dict:
-        rope = site.rope_entry(record["rope_parameters"])
-        if (scaling := (record.get("starts_from") or {}).get("scaling")) is not None:
-            # DeepSeek's split of the temperature: mscale_all_dim also sets the softmax scale (transformers'
-            # deepseek_v3 reads it at construction), which an extension keeps as shipped; a split given for
-            # the extension would put the ratio on cos/sin with no softmax to match it. Only where the shipped
-            # scaling moves the softmax scale: ministral3 states a split its attention does not read
-            fixed = [key for key in TEMPERATURE_SPLIT if rope.get(key) is not None and given.get(key) is not None]
-            unscaled = rope_parameters(record["rope_parameters"], {"rope_type": "default"}, site.layer_type)
-            if fixed and softmax_scales(site, record["rope_parameters"]) != softmax_scales(site, unscaled):
-                passed = ", ".join(f"{key}={given[key]!r}" for key in fixed)
-                stated = ", ".join(f"{key} {rope[key]!r}" for key in TEMPERATURE_SPLIT if rope.get(key) is not None)
-                raise ValueError(
-                    f"{method.name}: {passed} contradicts this checkpoint's shipped {scaling} scaling, which fixes how "
-                    f"the temperature divides between cos/sin and the softmax ({stated} at factor {rope.get('factor')!r}); "
-                    "a patch that extends the shipped model keeps that division and puts its own temperature on cos/sin "
-                    "(attention_factor=). To choose the division, replace the shipped scaling: "
-                    f"original_window={rope.get('original_max_position_embeddings')}"
-                )
-            return {}
-        if rope.get("rope_type") != method.name:
-            return {}
-        return {k: rope[k] for k in method.all_params if rope.get(k) is not None and k not in given}
-
-    def served_context(self, site: RotarySite, record: dict) -> int:
-        return served_context(site.rope_entry(record["rope_parameters"]), record["max_position_embeddings"])
 
     def geometry(self, site: RotarySite, record: dict, verify: bool) -> RotaryGeometry:
         """Geometry before any scaling, from `record`; with `verify`, checked against the live
@@ -481,8 +501,9 @@ class LlamaFamily(FamilyAdapter):
             sliding_window=shown.sliding_window,
         )
 
-    def build(self, site: RotarySite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
-        current = self.installed(site)
+    def build(self, reading: ModelReading, spec: Method, factor: float, params: dict):
+        site, geometry, record = reading.site, reading.geometry, reading.original
+        current = site.installed
         original_cls = current.original_cls if current is not None else type(site.rotary)
         if current is not None:
             kept, restores, device = current.kept, current.restores, current.inv_freq.device
@@ -525,35 +546,17 @@ class LlamaFamily(FamilyAdapter):
             return native_longrope(rotary.geometry, rotary.inv_freq, rotary.attention_scaling, max_length, rope)
         return rotary.method.native(rotary.geometry, rotary.factor, rotary.params, rope)
 
-    def layer_types(self, site: RotarySite) -> dict | None:
-        """The layer types whose frequencies the patch replaces and keeps, of a rotary module kept per
-        layer type or of several rotary modules (with the modules: the one replaced, those kept,
-        those no layer uses)."""
-        structure = site.structure
-        if not structure.layer_types:
-            return None
-        found = {"patched": list(structure.patched_types), "kept": list(structure.kept_types)}
-        if structure.kept_rotary or structure.unused_rotary:
-            found["rotary"] = {
-                "patched": [structure.rotary],
-                "kept": list(structure.kept_rotary),
-                "unused": list(structure.unused_rotary),
-            }
-        return found
-
-    def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, transforms: list, max_length: int) -> dict | None:
-        """Swap the module in, route attention through the rope-ext chain where the patch needs it
-        (dynamic methods; the method's transforms, such as alibi_hybrid's bias), write the config
-        so that a plain reload reproduces the patch where transformers can. Returns the native
-        parameters. Whether the method runs on this model was decided before (`facts`,
-        rope_ext.method.base.refusal): this installs only."""
-        if (current := self.installed(site)) is not None:
+    def install(self, site: RotarySite, rotary: ExtendedRotaryEmbedding, chain: list, max_length: int) -> dict | None:
+        """Swap the module in, route attention through the rope-ext `chain` where the patch has one
+        (the rotation inside attention of a dynamic method, a method's transforms such as
+        alibi_hybrid's bias), write the config so that a plain reload reproduces the patch where
+        transformers can. Returns the native parameters. Whether the method runs on this model was
+        decided before (`facts`, rope_ext.method.base.refusal): this installs only."""
+        if (current := site.installed) is not None:
             current.retire_caches()
             self._detach(site)
         native, softmax = self.written(site, rotary, max_length)
         site.swap_rotary(rotary)
-        rotates = any(transform.rotates for transform in transforms)  # e.g. self_extend's grouped attention
-        chain = ([RotateInAttention(Rotator(rotary))] if rotary.dynamic and not rotates else []) + list(transforms)
         if chain:
             self._attach_attention(site, chain, rotary.method.name)
         # Written either way, so that a repatch writes what a first patch does.
@@ -591,7 +594,7 @@ class LlamaFamily(FamilyAdapter):
         return {key: getattr(config, key) for key in config_keys(rotary.original)}
 
     def uninstall(self, site: RotarySite) -> None:
-        rotary = self.installed(site)
+        rotary = site.installed
         rotary.retire_caches()
         self._detach(site)
         restore(site.config, rotary.original)
@@ -641,7 +644,7 @@ class LlamaFamily(FamilyAdapter):
         there, put `routed` back and raise ValueError."""
         config = site.config
         chosen = base_name(config._attn_implementation or "eager")
-        rotary = self.installed(site)
+        rotary = site.installed
         try:
             # patch() proved at its length which keys the model's attention sees; every backend
             # computes that same attention, so the proof stands and its forward is not run again

@@ -1,17 +1,19 @@
-"""patch / unpatch / describe / reapply: the orchestration. It knows no method and no family:
+"""patch / unpatch / describe / reapply: the orchestration. It knows no method and no family.
+`patch` runs in six steps, and the model changes in the last alone:
 
-    method = rope_ext.method.check(name, ...)   the spec checked (ValueError, nothing changed)
-    adapter, site = the family's adapter        where the rotary lives (rope_ext.patches)
-    saved = record.read(config)                 read here once: the patch a reloaded checkpoint records
-    original = adapter.original_record(saved)   the values from before any patch, the record's if any
-    geometry = adapter.geometry(...)            rotary dim, base, trained window, layout
-    facts = adapter.facts(site)                 what the adapter found about the model
-    factor, params = method.resolve(...)        what the method derives from the model
-    refusal(method, facts, length)              the one check of what the method requires of the model
-    rotary = adapter.build(...)                 the new rotary module, not yet installed
-    record.check_stated(...)                    a recorded patch against what config.json states
-    adapter.install(rotary, method.attention()) from here on the model changes
-    record.write(config, ...)                   so that a reload or an unpatch reproduces exactly
+    check     method = rope_ext.method.check(name, ...)       the spec checked (ValueError, nothing changed)
+    read      saved = record.read(config)                     the patch a reloaded checkpoint records, and
+              reading = adapter.read(model, ..., saved)       one value with what the model is: where its
+                                                              rotary lives, the pre-patch values, geometry,
+                                                              facts, layer types, shipped scaling and the
+                                                              context it serves
+    resolve   factor, params = method.resolve(...)            what the method derives from the model
+    refusal   refusal(method, facts, length)                  the one check of what the method requires of the
+                                                              model (and of the length asked for)
+    build     rotary = adapter.build(reading, ...)            the new rotary module and what runs inside
+              chain = attention_chain(...)                    attention under it, not yet installed
+    install   adapter.install(site, rotary, chain, length)    from here on the model changes; then
+              record.write(config, ...)                       so that a reload or an unpatch reproduces exactly
 
 Meaning of repeated patches: `factor` is always relative to the model's *original* window.
 Patching a patched model replaces the patch (it never compounds).
@@ -34,8 +36,9 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from . import method as methods
 from . import record, serving
+from .attention import RotateInAttention, Rotator
 from .geometry import RotaryGeometry
-from .method.base import MAX_POSITIONS, as_size, refusal
+from .method.base import MAX_POSITIONS, ModelFacts, as_size, refusal
 from .patches import find_adapter
 from .record import Patch
 from .shipped import shipped_of
@@ -107,8 +110,8 @@ class PatchInfo:
 
 
 def _site(model: nn.Module):
-    adapter = find_adapter(model)
-    return adapter, adapter.site(model)
+    adapter, hf_model = find_adapter(model)
+    return adapter, adapter.site(hf_model)
 
 
 def patch(
@@ -134,73 +137,77 @@ def patch(
     `_saved` is reapply's: the patch the model's config records, which it has read already. (A
     parameter rather than an inner function, so that a method's warning from `resolve` points at
     the caller of `patch`.)"""
+    # check
     given = dict(params)
     spec, factor, params = methods.check(method, factor, params)
     if original_window is not None:
         original_window = as_size(original_window, "original_window")
     if not isinstance(allow_shrink, bool):
         raise ValueError(f"allow_shrink must be True or False, got {allow_shrink!r}")
-    adapter, site = _site(model)
-    own_config(site.model)
-    saved = record.read(site.config) if _saved is None else _saved
-    original, built_from_original = adapter.original_record(site, original_window, saved)
-    if _saved is None and (inherited := adapter.shipped_params(site, original, spec, given)):
+    # read
+    adapter, hf_model = find_adapter(model)
+    saved = record.read(record.holder(hf_model.config)) if _saved is None else _saved
+    reading = adapter.read(hf_model, original_window, saved)
+    site, original, geometry, facts = reading.site, reading.original, reading.geometry, reading.facts
+    own_config(hf_model)
+    if _saved is None and (inherited := reading.shipped.params(spec, given)):
         # the shipped scaling's own parameters re-applied (gpt-oss's truncate, DeepSeek's mscale)
         spec, factor, params = methods.check(method, factor, {**inherited, **given})
-    geometry = adapter.geometry(site, original, verify=built_from_original)
-    facts = adapter.facts(site)
+    # resolve
     try:
         factor, params = spec.resolve(facts, geometry, factor, params)
     except ValueError as err:
         if _saved is None:
             raise
         raise ValueError(f"{_saved.source}: key {record.CONFIG_KEY}.params: {err}") from None
-    applied = Patch(method, factor, params, original, geometry, adapter.layer_types(site))
-    if applied.max_length > MAX_POSITIONS:
+    applied = Patch(method, factor, params, original, geometry, reading.layer_types)
+    length, window = applied.max_length, applied.original_window
+    # refusal
+    if length > MAX_POSITIONS:
         raise ValueError(
-            f"{method} x{factor:.15g} over a {applied.original_window}-token window is meant for {applied.max_length} "
+            f"{method} x{factor:.15g} over a {window}-token window is meant for {length} "
             f"tokens, past {MAX_POSITIONS}, the bound of every size rope-ext takes (max_position_embeddings is written "
-            f"from it); use a factor of at most {MAX_POSITIONS // applied.original_window}"
+            f"from it); use a factor of at most {MAX_POSITIONS // window}"
         )
-    if (refused := refusal(spec, facts, applied.max_length)) is not None:
+    if (refused := refusal(spec, facts, length)) is not None:
         raise ValueError(refused)  # what the method requires against what the model is, in one place
-    served = adapter.served_context(site, original)
-    if _saved is None and served is not None and applied.max_length < served and not allow_shrink:
+    served = reading.shipped.served
+    if _saved is None and served is not None and length < served and not allow_shrink:
         raise ValueError(
-            f"{method} x{factor:g} over a {applied.original_window}-token window is meant for {applied.max_length} tokens, "
+            f"{method} x{factor:g} over a {window}-token window is meant for {length} tokens, "
             f"fewer than the {served} this checkpoint serves as loaded; leave original_window out to extend the shipped "
             "model, raise the factor, or pass allow_shrink=True (--allow-shrink) to read less"
         )
-    rotary = adapter.build(site, spec, factor, params, geometry, original)
-    if saved is not None and adapter.installed(site) is None:
+    # build
+    rotary = adapter.build(reading, spec, factor, params)
+    if saved is not None and site.installed is None:
         # what the record says the checkpoint was, against what its config states
-        recorded = (rotary, applied.max_length) if _saved is not None else _recorded_rotary(adapter, site, saved, facts)
+        recorded = (rotary, length) if _saved is not None else _recorded_rotary(adapter, hf_model, saved, facts)
         record.check_stated(site.config, adapter.config_written(site, *recorded), saved)
-    transforms = spec.attention(rotary, facts, params)
+    chain = attention_chain(spec, rotary, facts, params)
     notes = spec.notes(geometry, factor, params)
 
-    # Everything that can fail has run; from here on the model changes.
+    # install: everything that can fail has run; from here on the model changes.
     starts_from = {
         "scaling": None,
-        "window": applied.original_window,
+        "window": window,
         "source": "original_window=",
         **original.get("starts_from", {}),
     }
     if shipped := shipped_of(rotary.method):
         starts_from["attention_factor"] = shipped.attention_factor
     with record.unlisted_keys_quiet():  # install builds the written config back to check it
-        native = adapter.install(site, rotary, transforms, applied.max_length)
+        native = adapter.install(site, rotary, chain, length)
     if _saved is None and starts_from["source"] == "max_position_embeddings":
         warnings.warn(
-            f"rope_ext: the trained window is taken as {applied.original_window} tokens from max_position_embeddings alone "
+            f"rope_ext: the trained window is taken as {window} tokens from max_position_embeddings alone "
             "(no scaling or other config field states it); if the model was trained on fewer, pass "
             "original_window=<tokens>",
             UserWarning,
             stacklevel=2,
         )
-    config = site.config
-    record.write(config, applied)
-    PatchedModel(site.model, method, applied.max_length, native is not None).install()
+    record.write(site.config, applied)
+    PatchedModel(site.model, method, length, native is not None).install()
     return PatchInfo(
         patch=applied,
         family=adapter.name,
@@ -212,15 +219,24 @@ def patch(
     )
 
 
-def _recorded_rotary(adapter, site, saved: Patch, facts) -> tuple[nn.Module, int]:
+def attention_chain(spec, rotary: nn.Module, facts: ModelFacts, params: dict) -> list:
+    """What runs inside attention under the patch built: the method's transforms (alibi_hybrid's
+    bias, self_extend's grouped attention), led by the rotation inside attention where the rotary
+    module built rotates at every forward and no transform rotates queries and keys itself. Empty:
+    the model's attention runs as it is."""
+    transforms = list(spec.attention(rotary, facts, params))
+    rotates = any(transform.rotates for transform in transforms)
+    return ([RotateInAttention(Rotator(rotary))] if rotary.dynamic and not rotates else []) + transforms
+
+
+def _recorded_rotary(adapter, model: nn.Module, saved: Patch, facts: ModelFacts) -> tuple[nn.Module, int]:
     """The rotary module of the patch `saved` that a model's config records, built as a reload of
     it builds it (not installed), and the length that patch is meant for."""
     spec, factor, params = methods.check(saved.method, saved.factor, saved.params)
-    original, _ = adapter.original_record(site, None, saved)
-    geometry = adapter.geometry(site, original, verify=False)
-    factor, params = spec.resolve(facts, geometry, factor, params)
-    recorded = Patch(saved.method, factor, params, original, geometry)
-    return adapter.build(site, spec, factor, params, geometry, original), recorded.max_length
+    reading = adapter.read(model, None, saved)
+    factor, params = spec.resolve(facts, reading.geometry, factor, params)
+    recorded = Patch(saved.method, factor, params, reading.original, reading.geometry)
+    return adapter.build(reading, spec, factor, params), recorded.max_length
 
 
 def own_config(model: nn.Module) -> None:
@@ -257,7 +273,7 @@ def unpatch(model: nn.Module) -> None:
     """Restore the rotary module, config and attention implementation the model had before
     `patch` (for a model reloaded by `from_pretrained`: the checkpoint's original ones)."""
     adapter, site = _site(model)
-    if adapter.installed(site) is None:
+    if site.installed is None:
         raise ValueError("this model is not patched by rope_ext")
     adapter.uninstall(site)
     PatchedModel.uninstall(site.model)
@@ -312,17 +328,17 @@ def lora_targets(model: nn.Module) -> list[str]:
 
 def installed_rotary(model: nn.Module):
     """The rope-ext rotary module of the patch on this model, or None."""
-    adapter, site = _site(model)
-    return adapter.installed(site)
+    _, site = _site(model)
+    return site.installed
 
 
 def installed_patch(model: nn.Module) -> Patch | None:
     """The patch on this model, or None."""
-    adapter, site = _site(model)
-    rotary = adapter.installed(site)
+    _, site = _site(model)
+    rotary = site.installed
     if rotary is None:
         return None
-    return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry, adapter.layer_types(site))
+    return Patch(rotary.method.name, rotary.factor, rotary.params, rotary.original, rotary.geometry, site.layer_types)
 
 
 def engine_verdicts(model: nn.Module, native: bool) -> dict[str, str]:

@@ -298,29 +298,44 @@ class DynamicRotation:
             self.positions.set(target, positions[..., :length])
 
 
-class ExtendedRotaryEmbedding(nn.Module):
+class PatchRotary(nn.Module):
+    """What every rope-ext rotary module holds of its patch, whatever the model's rotary interface
+    it stands in for (this module's, remote-code ChatGLM's table): the method, factor, parameters
+    and geometry, the pre-patch values `original` that unpatch restores, and the method's
+    frequencies (`scaled`) and temperature (`attention_scaling`)."""
+
+    def __init__(self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, original: dict):
+        super().__init__()
+        self.method, self.factor, self.params, self.geometry = method, factor, dict(params), geometry
+        self.original = original
+
+    def scaled(self, device) -> torch.Tensor:
+        """The method's fp32 frequencies on `device` (of no length: a dynamic method's at its trained
+        window), its temperature set as `attention_scaling`."""
+        inv_freq, self.attention_scaling = self.method(self.geometry, None, self.factor, self.params)
+        return inv_freq.to(device)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.method.dynamic
+
+    @property
+    def frame(self) -> RotationFrame | None:
+        return self.rotation.current()
+
+
+class ExtendedRotaryEmbedding(PatchRotary):
     """Drop-in for a transformers rotary module: `forward(x, position_ids) -> (cos, sin)`.
 
     Holds everything needed to undo the patch (`original_cls`, `original` config values) so that
     the model object alone is the record of what was done to it."""
 
-    def __init__(
-        self,
-        method: Method,
-        factor: float,
-        params: dict,
-        geometry: RotaryGeometry,
-        original_cls: type,
-        original: dict,
-        device: torch.device,
-    ):
-        super().__init__()
-        self.method, self.factor, self.params, self.geometry = method, factor, dict(params), geometry
-        self.original_cls, self.original = original_cls, original
+    def __init__(self, method, factor, params, geometry, original_cls: type, original: dict, device: torch.device):
+        super().__init__(method, factor, params, geometry, original)
+        self.original_cls = original_cls
         self.rope_type = f"rope_ext_{method.name}"
         self.original_max_seq_len = geometry.original_window
-        inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
-        self.inv_freq = nn.Buffer(inv_freq.to(device), persistent=False)
+        self.inv_freq = nn.Buffer(self.scaled(device), persistent=False)
         self.rotation = DynamicRotation(method, factor, self.params, geometry, self.inv_freq.device)
 
     def __getstate__(self):
@@ -344,18 +359,9 @@ class ExtendedRotaryEmbedding(nn.Module):
         # `model.to(torch.bfloat16)` casts buffers too; angles must stay fp32, so recompute the
         # frequencies exactly on whatever device the move chose.
         super()._apply(fn, recurse)
-        inv_freq, _ = self.method(self.geometry, None, self.factor, self.params)
-        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        self.inv_freq = self.scaled(self.inv_freq.device)
         self.rotation.device = self.inv_freq.device
         return self
-
-    @property
-    def dynamic(self) -> bool:
-        return self.method.dynamic
-
-    @property
-    def frame(self) -> RotationFrame | None:
-        return self.rotation.current()
 
     def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
         if not self.method.follows_length:

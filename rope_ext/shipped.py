@@ -19,7 +19,7 @@ factor lists and an explicit attention factor (`native_longrope`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,6 +36,8 @@ WINDOW_KEYED = ("yarn", "llama3", "longrope")
 # a rope_parameters key of models that read original_max_position_embeddings at forward time for a
 # position-dependent query scale (ministral3: 1 + beta ln(1 + floor(p / original)))
 QUERY_SCALE_KEY = "llama_4_scaling_beta"
+# yarn parameters that divide the temperature between cos/sin and the softmax scale (DeepSeek)
+TEMPERATURE_SPLIT = ("mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,45 @@ class ShippedScaling:
         powers = longrope_powers(geom)
         factors = (1.0 / (shipped.double() * ratio * powers.double())).float()
         return 1.0 / (factors * powers), temperature
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """What a checkpoint ships that a patch starts from, as its family's adapter read it: the
+    patched layers' flat rope_parameters as loaded (`rope`), the scaling a patch extends (None: the
+    patch starts from the trained frequencies), the parameters of that scaling a patch cannot give
+    (`fixed`: DeepSeek's temperature split, where its softmax scale follows it) and the context the
+    checkpoint serves (None where the family does not say)."""
+
+    rope: dict = field(default_factory=dict)
+    scaling: str | None = None
+    fixed: tuple[str, ...] = ()
+    served: int | None = None
+
+    def params(self, method: Method, given: dict) -> dict:
+        """The parameters of `method` that the shipped scaling states, for a patch that replaces
+        that scaling by a method of its type; the ones in `given` are the user's. {}: none.
+        ValueError for a parameter in `given` that a patch extending the shipped scaling cannot
+        take, since that scaling fixes it."""
+        rope = self.rope
+        if self.scaling is not None:
+            # DeepSeek's split of the temperature: mscale_all_dim also sets the softmax scale (transformers'
+            # deepseek_v3 reads it at construction), which an extension keeps as shipped; a split given for
+            # the extension would put the ratio on cos/sin with no softmax to match it. Only where the shipped
+            # scaling moves the softmax scale: ministral3 states a split its attention does not read
+            if passed := ", ".join(f"{key}={given[key]!r}" for key in self.fixed if given.get(key) is not None):
+                stated = ", ".join(f"{key} {rope[key]!r}" for key in TEMPERATURE_SPLIT if rope.get(key) is not None)
+                raise ValueError(
+                    f"{method.name}: {passed} contradicts this checkpoint's shipped {self.scaling} scaling, which fixes "
+                    f"how the temperature divides between cos/sin and the softmax ({stated} at factor "
+                    f"{rope.get('factor')!r}); a patch that extends the shipped model keeps that division and puts its "
+                    "own temperature on cos/sin (attention_factor=). To choose the division, replace the shipped "
+                    f"scaling: original_window={rope.get('original_max_position_embeddings')}"
+                )
+            return {}
+        if rope.get("rope_type") != method.name:
+            return {}
+        return {k: rope[k] for k in method.all_params if rope.get(k) is not None and k not in given}
 
 
 def served_context(rope: dict, max_position_embeddings: int) -> int:

@@ -32,14 +32,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rope_ext.attention import RotateInAttention, Rotator
+from rope_ext.attention import AttentionTransform
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.method.base import Method, ModelFacts
 from rope_ext.record import Patch
-from rope_ext.rotary import DynamicRotation, with_position_ratio
-from rope_ext.rotation import RotationFrame, cos_sin
+from rope_ext.rotary import DynamicRotation, PatchRotary, with_position_ratio
+from rope_ext.rotation import cos_sin
+from rope_ext.shipped import Shipped
 
-from ..base import FamilyAdapter, unwrap
+from ..base import FamilyAdapter, ModelReading
 
 BASE = 10000  # every ChatGLM rotary module starts from this base
 PROBE_LENGTH = 4100  # past 256 and 2048, where bf16 and fp16 positions stop being exact
@@ -64,6 +65,13 @@ class ChatGLMSite:
     @property
     def config(self):
         return self.model.config
+
+    layer_types = None  # one set of frequencies
+
+    @property
+    def installed(self) -> ChatGLMRotaryEmbedding | None:
+        """The rope-ext rotary module installed here, or None."""
+        return self.rotary if isinstance(self.rotary, ChatGLMRotaryEmbedding) else None
 
     @property
     def cores(self) -> list[nn.Module]:
@@ -164,7 +172,7 @@ def _returned_cache(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-class ChatGLMRotaryEmbedding(nn.Module):
+class ChatGLMRotaryEmbedding(PatchRotary):
     """Drop-in for ChatGLM's `rotary_pos_emb`: `forward(max_seq_len, offset=0)` returns the
     [L, D/2, 2] (cos, sin) table, from fp32 positions and angles, cast to the dtype the original's
     table had. The table covers every position the current forward uses (a pre-forward hook on the
@@ -174,46 +182,27 @@ class ChatGLMRotaryEmbedding(nn.Module):
     name, so the state dict keeps its keys."""
 
     def __init__(
-        self,
-        method: Method,
-        factor: float,
-        params: dict,
-        geometry: RotaryGeometry,
-        original: dict,
-        original_module: nn.Module,
-        seq_first: bool | None = None,
+        self, method: Method, factor: float, params: dict, geometry: RotaryGeometry, original: dict, original_module: nn.Module
     ):
-        super().__init__()
-        self.position_ratio = float(original["position_ratio"])
-        method = with_position_ratio(method, self.position_ratio)
-        self.method, self.factor, self.params, self.geometry = method, factor, dict(params), geometry
-        self.original = original
-        self.seq_first = seq_first  # layout of the attention tensors; read for dynamic methods only
+        ratio = float(original["position_ratio"])
+        super().__init__(with_position_ratio(method, ratio), factor, params, geometry, original)
+        self.position_ratio = ratio
         self._replaced = (original_module,)  # a tuple, so it is not registered as a submodule
-        inv_freq, self.attention_scaling = method(geometry, None, factor, self.params)
-        self.scaled_inv_freq = nn.Buffer(inv_freq.to(original_module.inv_freq.device), persistent=False)
+        self.scaled_inv_freq = nn.Buffer(self.scaled(original_module.inv_freq.device), persistent=False)
         self.inv_freq = nn.Buffer(original_module.inv_freq.detach().clone())
-        self.rotation = DynamicRotation(method, factor, self.params, geometry, self.scaled_inv_freq.device)
+        self.rotation = DynamicRotation(self.method, factor, self.params, geometry, self.scaled_inv_freq.device)
         self.needed_length = 0
         self._table: torch.Tensor | None = None
-
-    @property
-    def dynamic(self) -> bool:
-        return self.method.dynamic
 
     @property
     def original_module(self) -> nn.Module:
         return self._replaced[0]
 
-    @property
-    def frame(self) -> RotationFrame | None:
-        return self.rotation.current()
-
     def _apply(self, fn, recurse=True):
         # A cast of the model casts `inv_freq` (it sets the table's dtype, as in the original);
         # the frequencies stay fp32.
         super()._apply(fn, recurse)
-        self.scaled_inv_freq = self.method(self.geometry, None, self.factor, self.params)[0].to(self.inv_freq.device)
+        self.scaled_inv_freq = self.scaled(self.inv_freq.device)
         self.rotation.device = self.inv_freq.device
         self._table = None
         return self
@@ -285,16 +274,16 @@ class ChatGLMRotaryEmbedding(nn.Module):
 
 
 class RotatingCoreAttention:
-    """Stands in for one layer's `core_attention.forward` under a dynamic method: rotates queries and
-    (un-rotated, cached) keys with the frame's frequencies, per query group, then calls the original.
-    Tensors come in the model's layout: [s, b, heads, hd] (sequence-first) or [b, heads, s, hd]."""
+    """Stands in for one layer's `core_attention.forward` under a patch that rotates inside attention:
+    `rotate` (the patch's RotateInAttention) rotates queries and (un-rotated, cached) keys with the
+    frame's frequencies, per query group, then calls the original. Tensors come in the model's
+    layout: [s, b, heads, hd] (sequence-first) or [b, heads, s, hd]."""
 
-    def __init__(self, core: nn.Module, rotary: ChatGLMRotaryEmbedding, seq_first: bool):
+    def __init__(self, core: nn.Module, rotate: AttentionTransform, seq_first: bool):
         self.previous = core.__dict__.get("forward")  # an instance-level forward someone else set, if any
         self.inner = core.forward
-        self.rotate = RotateInAttention(Rotator(rotary))
+        self.rotate = rotate
         self.seq_first = seq_first
-        self.rotary = rotary
 
     def __call__(self, query, key, value, attention_mask, *args, **kwargs):
         frame = self.rotate.rotator.frame
@@ -335,8 +324,7 @@ class ChatGLMFamily(FamilyAdapter):
     lora_targets = ("query_key_value", "dense")  # fused q/k/v and the output projection
     attention_interface = False  # the hub code calls its own core attention
 
-    def site(self, model: nn.Module) -> ChatGLMSite:
-        hf_model = unwrap(model)
+    def site(self, hf_model: nn.Module) -> ChatGLMSite:
         config = hf_model.config
         transformer = getattr(hf_model, "transformer", None)
         if transformer is None and hasattr(hf_model, "encoder"):
@@ -355,14 +343,26 @@ class ChatGLMFamily(FamilyAdapter):
             raise ValueError(f"rope_ext cannot patch {type(hf_model).__name__}: found {found}; expected {EXPECTED}")
         return ChatGLMSite(hf_model, transformer, rotary)
 
-    def installed(self, site: ChatGLMSite) -> ChatGLMRotaryEmbedding | None:
-        return site.rotary if isinstance(site.rotary, ChatGLMRotaryEmbedding) else None
+    def read(self, model: nn.Module, original_window: int | None, saved: Patch | None) -> ModelReading:
+        """The rotary convention read from the live module, its window and geometry, and the facts
+        of the hub code's attention; the family ships no scaling a patch extends and states no
+        served context."""
+        site = self.site(model)
+        original = self.original_record(site, original_window, saved)
+        return ModelReading(
+            site=site,
+            original=original,
+            geometry=self.geometry(site, original),
+            facts=self.facts(site),
+            layer_types=site.layer_types,
+            shipped=Shipped(),
+        )
 
-    def original_record(self, site: ChatGLMSite, original_window: int | None, saved: Patch | None) -> tuple[dict, bool]:
+    def original_record(self, site: ChatGLMSite, original_window: int | None, saved: Patch | None) -> dict:
         """The checkpoint's rotary convention, read from the live module (or kept by the current
         patch), and its window: seq_length unless `original_window` says otherwise, or for a model
         reloaded from a patched checkpoint the window of the patch `saved` its config records."""
-        if (current := self.installed(site)) is not None:
+        if (current := site.installed) is not None:
             record = copy.deepcopy(current.original)
         else:
             config = site.config
@@ -371,9 +371,9 @@ class ChatGLMFamily(FamilyAdapter):
             record["original_window"] = saved.original_window if saved else config.seq_length
         if original_window is not None:
             record["original_window"] = original_window
-        return record, current is None
+        return record
 
-    def geometry(self, site: ChatGLMSite, record: dict, verify: bool) -> RotaryGeometry:
+    def geometry(self, site: ChatGLMSite, record: dict) -> RotaryGeometry:
         # `read_convention` already checked the live module against the record when it was made.
         head_dim = site.config.kv_channels
         return RotaryGeometry(
@@ -395,16 +395,18 @@ class ChatGLMFamily(FamilyAdapter):
             static_only=self._static_only(site),
         )
 
-    def build(self, site: ChatGLMSite, spec: Method, factor: float, params: dict, geometry: RotaryGeometry, record: dict):
-        current = self.installed(site)
-        original_module = current.original_module if current is not None else site.rotary
-        seq_first = self._sequence_first(site) if spec.dynamic else None
-        return ChatGLMRotaryEmbedding(spec, factor, params, geometry, record, original_module, seq_first)
+    def build(self, reading: ModelReading, spec: Method, factor: float, params: dict):
+        current = reading.site.installed
+        original_module = current.original_module if current is not None else reading.site.rotary
+        return ChatGLMRotaryEmbedding(spec, factor, params, reading.geometry, reading.original, original_module)
 
-    def install(self, site: ChatGLMSite, rotary: ChatGLMRotaryEmbedding, transforms: list, max_length: int) -> None:
+    def install(self, site: ChatGLMSite, rotary: ChatGLMRotaryEmbedding, chain: list, max_length: int) -> None:
         """Swap the module in and hook the transformer; no transformers-native equivalent exists.
-        `transforms` is empty: methods that add attention transforms need the AttentionInterface."""
-        if self.installed(site) is not None:
+        A `chain` is the rotation inside attention alone (methods that add transforms of their own
+        need the AttentionInterface, which refusal checks): each layer's core attention runs it, in
+        the tensor layout read from the embedding."""
+        seq_first = self._sequence_first(site) if chain else None
+        if site.installed is not None:
             self._detach(site)
         site.transformer.rotary_pos_emb = rotary
         site.rotary = rotary
@@ -412,13 +414,16 @@ class ChatGLMFamily(FamilyAdapter):
             site.transformer.register_forward_pre_hook(rotary.pre_hook, with_kwargs=True),
             site.transformer.register_forward_hook(rotary.hook),
         ]
-        if rotary.dynamic:
-            for core in site.cores:
-                core.forward = RotatingCoreAttention(core, rotary, rotary.seq_first)
+        rotary._cores = []
+        if chain:
+            (rotate,) = chain
+            rotary._cores = site.cores
+            for core in rotary._cores:
+                core.forward = RotatingCoreAttention(core, rotate, seq_first)
         return None
 
     def uninstall(self, site: ChatGLMSite) -> None:
-        rotary = self.installed(site)
+        rotary = site.installed
         self._detach(site)
         original = rotary.original_module
         original.inv_freq = rotary.inv_freq  # carries any cast, move or load done while patched
@@ -430,15 +435,14 @@ class ChatGLMFamily(FamilyAdapter):
         for handle in getattr(rotary, "_hooks", []):
             handle.remove()
         rotary._hooks = []
-        if not rotary.dynamic:  # only dynamic methods wrap core attention (a checkpoint may have none)
-            return
-        for core in site.cores:
+        for core in getattr(rotary, "_cores", []):  # the cores install wrapped (a checkpoint may have none)
             wrapper = core.__dict__.get("forward")
             if isinstance(wrapper, RotatingCoreAttention):
                 if wrapper.previous is None:
                     del core.forward
                 else:
                     core.forward = wrapper.previous
+        rotary._cores = []
 
     def _static_only(self, site: ChatGLMSite) -> str | None:
         """Why rope-ext cannot rotate queries and keys inside this model's core attention (what

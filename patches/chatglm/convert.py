@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..base import unwrap
+from .. import unwrap
 from .adapter import V1_ERROR, ChatGLMFamily, read_convention
 
 # what rope_ratio does: ChatGLM3-6B-32K and GLM-4 multiply the base by it, ChatGLM2-6B-32K divides positions
@@ -220,10 +220,10 @@ def _load_source(src, rope_ratio_meaning: str | None, spelling: str):
     if isinstance(src, nn.Module):
         adapter = ChatGLMFamily()
         model = unwrap(src)
-        if not adapter.matches(model):
+        if getattr(model.config, "model_type", None) not in adapter.model_types:
             raise ValueError(f"not a ChatGLM model: {type(model).__name__}")
         site = adapter.site(model)
-        if adapter.installed(site) is not None:
+        if site.installed is not None:
             raise ValueError("this model is patched by rope_ext; unpatch it before converting")
         config = model.config.to_dict()
         _check_supported(config)

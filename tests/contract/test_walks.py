@@ -1,7 +1,8 @@
 """Short walks: how many of rope-ext's files a call passes through. `patch()` enters no method module
-it does not use, and one decode step of a method that rotates inside attention enters a few files
-and calls per layer (issue #39, item 4), its first layer computing what the forward shares in one
-call (issue #52, item 4). The walk is recorded with `sys.setprofile`; run this file as a script
+it does not use and walks a few files in six steps (issue #52, item 3), and one decode step of a
+method that rotates inside attention enters a few files and calls per layer (issue #39, item 4),
+its first layer computing what the forward shares in one call (issue #52, item 4). The walk is
+recorded with `sys.setprofile`; run this file as a script
 to print the measures (`cd tests && PYTHONPATH=. ../.venv/bin/python contract/test_walks.py`).
 """
 
@@ -19,6 +20,7 @@ import rope_ext
 import rope_ext.evals
 import rope_ext.patches
 import rope_ext.rotation
+from rope_ext.patches.base import FamilyAdapter
 
 from helpers import WINDOW, random_ids, random_model
 
@@ -37,11 +39,12 @@ def ours(filename: str) -> str | None:
 
 class Walk:
     """The Python calls made inside a `with` block, in order: (file, function) of each call into
-    rope-ext's files, and the index of each decoder layer of `layers` as it is entered."""
+    rope-ext's files with the file it came from (None: from outside rope-ext), and the index of
+    each decoder layer of `layers` as it is entered."""
 
     def __init__(self, layers=()):
         self.layers = {id(layer): i for i, layer in enumerate(layers)}
-        self.events: list[tuple] = []  # ("call", file, function) or ("layer", index)
+        self.events: list[tuple] = []  # ("call", file, function, caller's file) or ("layer", index)
 
     def _profile(self, frame, event, arg):
         if event not in ("call", "return"):
@@ -56,7 +59,8 @@ class Walk:
             return
         name = ours(code.co_filename)
         if name is not None:
-            self.events.append(("call", name, code.co_name))
+            caller = frame.f_back and ours(frame.f_back.f_code.co_filename)
+            self.events.append(("call", name, code.co_name, caller))
 
     def __enter__(self):
         self._previous = sys.getprofile()
@@ -67,7 +71,11 @@ class Walk:
         sys.setprofile(self._previous)
 
     def calls(self) -> list[tuple[str, str]]:
-        return [event[1:] for event in self.events if event[0] == "call"]
+        return [event[1:3] for event in self.events if event[0] == "call"]
+
+    def crossing(self) -> list[tuple[str, str, str]]:
+        """(file, function, caller's file) of each call from one rope-ext file into another."""
+        return [event[1:] for event in self.events if event[0] == "call" and event[3] not in (None, event[1])]
 
     def files(self) -> set[str]:
         return {file for file, _ in self.calls()}
@@ -83,14 +91,15 @@ class Walk:
             elif event[0] == "end":
                 inside = None
             else:
-                (parts[0] if inside is None else inside).append(event[1:])
+                (parts[0] if inside is None else inside).append(event[1:3])
         return parts
 
 
 def patch_walk(method: str, **params) -> Walk:
     model = random_model()
+    patch = rope_ext.patch  # imported before the walk: loading modules is no part of it
     with Walk() as walk:
-        rope_ext.patch(model, method, original_window=WINDOW, **params)
+        patch(model, method, original_window=WINDOW, **params)
     return walk
 
 
@@ -113,8 +122,9 @@ def layer_files(walk: Walk) -> list[int]:
     return [len({file for file, _ in calls}) for calls in walk.by_layer()[1:]]
 
 
-# The adapter modules patch() of the random LLaMA may enter: the probed decoder's, and what it builds on.
-FAMILY_MODULES = {"patches/base.py", "patches/llama.py", "patches/probe.py"}
+# The adapter modules patch() of the random LLaMA may enter: the probed decoder's and its probe (the
+# contract, patches/base.py, holds no code a patch runs).
+FAMILY_MODULES = {"patches/llama.py", "patches/probe.py"}
 # The method modules each method's patch() may enter: its own, and what it builds on.
 PATCH_MODULES = {
     "yarn": {"rope_ext/method/base.py", "rope_ext/method/stated.py", "rope_ext/method/rope.py"},
@@ -122,6 +132,14 @@ PATCH_MODULES = {
         "rope_ext/method/base.py",
         "rope_ext/method/stated.py",
         "rope_ext/method/attention_side.py",
+        "rope_ext/method/self_extend.py",
+    },
+    # dpe chooses its group as self_extend does (self_extend.choose_group)
+    "dpe": {
+        "rope_ext/method/base.py",
+        "rope_ext/method/stated.py",
+        "rope_ext/method/attention_side.py",
+        "rope_ext/method/dpe.py",
         "rope_ext/method/self_extend.py",
     },
 }
@@ -137,6 +155,37 @@ def test_patch_enters_no_method_module_it_does_not_use(method):
     families = {f for f in files if f.startswith("patches/") and not f.endswith("__init__.py")}
     assert methods <= PATCH_MODULES[method], sorted(methods - PATCH_MODULES[method])
     assert families <= FAMILY_MODULES, sorted(families - FAMILY_MODULES)
+
+
+# patch() in six steps: check (rope_ext.method), read (the adapter, once: one value with what the
+# model is), resolve (the method), refusal (rope_ext.method.base), build (the adapter's rotary module
+# and the attention chain), install (the adapter, then the record). The files it may enter: the
+# orchestration and the record (patching, record, shipped), the adapter (patches/__init__, llama,
+# probe, and the rotation and attention the probe proves the model's by: rotation, attention/interface,
+# attention/parts), the rotary module and its geometry, and the method's modules (PATCH_MODULES)
+# with method/__init__; an attention-side method also its transform's rotator (attention/rotator) and key store
+# (attention/keys) and the chain install attaches (attention/interface).
+PATCH_FILES = {"yarn": 14, "self_extend": 17, "dpe": 17}
+# What patch() may ask the adapter: each method of the contract.
+ADAPTER_CALLS = {name for name, value in vars(FamilyAdapter).items() if callable(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("method", sorted(PATCH_FILES))
+def test_patch_walks_a_few_files_in_six_steps(method):
+    """patch() asks the adapter once what the model is (read), then to build and to install: no
+    question per fact, and no other call into an adapter from the orchestration."""
+    walk = patch_walk(method, factor=4)
+    assert len(walk.files()) <= PATCH_FILES[method], sorted(walk.files())
+    asked = Counter(
+        function for file, function, caller in walk.crossing() if caller == "rope_ext/patching.py" and file.startswith("patches/")
+    )
+    assert {function: n for function, n in asked.items() if function in ADAPTER_CALLS} == {"read": 1, "build": 1, "install": 1}
+
+
+def test_the_family_contract_is_a_few_methods():
+    """FamilyAdapter: where the rotary lives (site), what the model is (read), build, install,
+    uninstall; what a site answers (config, installed, layer_types) is the site's."""
+    assert FamilyAdapter.__abstractmethods__ == {"site", "read", "build", "install", "uninstall"}
 
 
 # A decode step past the trained window of a method that rotates inside attention, in each layer:
@@ -215,11 +264,15 @@ def test_the_one_rotation_has_transformers_bits(layout, head_dim, rotary_dim, dt
 
 
 def report() -> None:
-    for method in ("yarn", "self_extend"):
+    for method in ("yarn", "self_extend", "dpe"):
         walk = patch_walk(method, factor=4)
-        print(f"patch(model, {method!r}): {len(walk.files())} files, {len(walk.calls())} calls")
+        crossing = walk.crossing()
+        print(
+            f"patch(model, {method!r}): {len(walk.files())} files, {len(walk.calls())} calls,"
+            f" {len(crossing)} from one rope-ext file into another"
+        )
         for file in sorted(walk.files()):
-            print("   ", file)
+            print("   ", file, sorted({function for f, function, _ in crossing if f == file}))
     for method in sorted(LAYER_FILES):
         walk = decode_walk(method, factor=4)
         pre, *layers = walk.by_layer()
