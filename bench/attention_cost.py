@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 import rope_ext
-from rope_ext.attention import AttentionChain
+from rope_ext.attention import AttentionChain, Rotator
 from rope_ext.defaults import gutenberg_text, load_smollm2
 from rope_ext.evals.output import provenance, write_measurement
 from rope_ext.attention import SCORE_BYTES
@@ -44,21 +44,22 @@ class OneSoftmax(TwoPartAttention):
     [q_own, q_grouped] with [k_own, 0] or [0, k_grouped] picks one pair of positions."""
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        rotary, frame = self.rotary, self.rotary.frame
+        rotator = self.rotator
+        frame = rotator.frame
         kv_len, q_len = key.shape[-2], query.shape[-2]
         k_pos = frame.k_pos[..., -kv_len:]
-        group, window = rotary.params["group"], rotary.params["window"]
-        inv_freq, scale = frame.angles(rotary.geometry.original_window)
-        q_own, k_own = (
-            self.store.rotate_to(query, frame.q_pos, inv_freq, scale),
-            self.store.rotate_to(key, k_pos, inv_freq, scale),
-        )
-        extended = frame.lengths > rotary.geometry.original_window
+        group, window = rotator.params["group"], rotator.params["window"]
+        trained = rotator.geometry.original_window
+        inv_freq, scale = frame.angles(trained)
+
+        def rotated(x, name, at):
+            return rotator.rotate_to(x, name, lambda: (at,), inv_freq, scale)[:, :, 0]
+
+        q_own, k_own = rotated(query, "q own", frame.q_pos), rotated(key, "k own", k_pos)
+        extended = frame.lengths > trained
         first = int(extended.any(0).nonzero()[0])  # the bench's input always goes past the window
-        q_group = self.store.rotate_to(
-            query, torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group), inv_freq, scale
-        )
-        k_group = self.store.rotate_to(key, torch.div(k_pos, group, rounding_mode="floor"), inv_freq, scale)
+        q_group = rotated(query, "q grouped", torch.div(frame.q_pos, group, rounding_mode="floor") + (window - window // group))
+        k_group = rotated(key, "k grouped", torch.div(k_pos, group, rounding_mode="floor"))
         queries = torch.cat((q_own, q_group), dim=-1)
         neighbours = torch.cat((k_own, torch.zeros_like(k_group)), dim=-1)
         distant = torch.cat((torch.zeros_like(k_own), k_group), dim=-1)
@@ -84,7 +85,7 @@ def one_softmax_variant(model):
     """A copy of `model` patched with self_extend, attending through OneSoftmax."""
     variant = copy.deepcopy(model)
     rope_ext.patch(variant, "self_extend", factor=FACTOR)
-    chain = AttentionChain([OneSoftmax(variant.model.rotary_emb)])
+    chain = AttentionChain([OneSoftmax(Rotator(variant.model.rotary_emb))])
     for layer in variant.model.layers:
         layer.self_attn.rope_ext_attention = chain
     return variant
