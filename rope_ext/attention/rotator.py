@@ -318,3 +318,12 @@ class RotatingTransform(AttentionTransform):
 
     def detach(self, site) -> None:
         self.rotator.detach(site)
+
+    def step(self, name: str, query: torch.Tensor, key: torch.Tensor, attention_mask):
+        """What every layer of a forward shares (the transform's `shared`), computed by the first
+        layer and read by the others."""
+        kv_len, q_len = key.shape[-2], query.shape[-2]
+        return self.rotator.per_forward(
+            (name, q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
+            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
+        )

@@ -61,10 +61,7 @@ class RotateInAttention(RotatingTransform):
         rotator = self.rotator
         query = rotator.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        step = rotator.per_forward(
-            ("schedule", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
-            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
-        )
+        step = self.step("schedule", query, key, attention_mask)
         groups, first_key = step.groups, step.first_key
         if len(groups) == 1:
             length = groups[0][0]

@@ -137,10 +137,7 @@ class TwoPartAttention(RotatingTransform):
         rotator = self.rotator
         query = rotator.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        step = rotator.per_forward(
-            ("two parts", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
-            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
-        )
+        step = self.step("two parts", query, key, attention_mask)
         # every query rotated to its own (and, from `first` on, its distant) position, every key
         # (kept between forwards) to its own and, where the method moves it, its distant one
         queries = rotator.temper(rotate_prepared(query.unsqueeze(2), *step.queries, *rotator.pairing))

@@ -120,10 +120,7 @@ class DualChunkAttention(RotatingTransform):
         rotator = self.rotator
         query = self.scale_queries(query)
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        step = rotator.per_forward(
-            ("chunks", q_len, kv_len, query.dtype, key.dtype, id(attention_mask)),  # the mask lives through the forward
-            lambda: self.shared(q_len, kv_len, query.dtype, key.dtype, attention_mask),
-        )
+        step = self.step("chunks", query, key, attention_mask)
         # every key at its own position while every query is below min(c + 1, 2s), else at its place
         # in its chunk: rotated once and kept between forwards
         keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
