@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -19,6 +21,24 @@ from rope_ext.rotation import cos_sin, prepared, rotate_prepared
 from .interface import AttentionTransform, passed_cache
 from .keys import ForwardEntries, RotatedKeys
 from .parts import hides_keys
+
+
+@dataclass
+class KeyMaps:
+    """The position maps a transform keeps keys rotated to (RotatedKeys), named `names`: map m takes
+    the keys' positions `k_pos` [B or 1, kv_len] (with `grouped`, [B or 1, kv_len, G], as
+    `Rotator.factors` takes them) to maps[m](k_pos), rotated at `angles` (inv_freq, attention
+    factor); `new`, where a transform's `shared` computed it (Rotator.key_maps): (held, the prepared
+    (cos, sin) of the keys from `held` on, the forward's new keys). The maps and the frequencies
+    must be the patch's for the cache's life, and each key's positions follow from its own position
+    alone."""
+
+    names: tuple
+    k_pos: torch.Tensor
+    maps: tuple
+    angles: tuple
+    grouped: bool = False
+    new: tuple | None = None
 
 
 class Rotator:
@@ -201,26 +221,33 @@ class Rotator:
             )
         return first
 
-    def keys_at(
-        self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale, grouped: bool = False
-    ) -> torch.Tensor:
-        """`key` (the keys attention received) rotated to each position map maps[m](k_pos) [B or 1,
-        kv_len] (with `grouped`, [B or 1, kv_len, G], as rotate_to), named names[m], with the given
-        frequencies: [B, H, M, kv_len, D], kept between forwards (kept_keys). The maps and the
-        frequencies must be the patch's for the cache's life, and each key's positions follow from
-        its own position alone."""
+    def key_maps(
+        self, names: tuple, k_pos: torch.Tensor, maps: tuple, angles: tuple, dtype, held: int, grouped: bool = False
+    ) -> KeyMaps:
+        """KeyMaps with the prepared (cos, sin) of the keys from `held` on (the forward's new keys)
+        computed now: in a transform's `shared`, once for every layer of the forward."""
+        new = self.factors([at(k_pos[:, held:]) for at in maps], *angles, dtype, grouped)
+        return KeyMaps(names, k_pos, maps, angles, grouped, (held, new))
 
-        def rotation(start: int, stop: int):
-            return self._factors(
-                ("keys", names, start, stop),
-                lambda: [at(k_pos[:, start:stop]) for at in maps],
-                inv_freq,
-                scale,
-                key.dtype,
-                grouped,
-            )
+    def key_factors(self, maps: KeyMaps, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared (cos, sin) [B or 1, 1, M, stop - start, D] of keys start:stop under `maps`:
+        the forward's new keys from `maps.new`, any other span (a cache the store does not serve)
+        once per forward."""
+        if maps.new is not None and start == maps.new[0] and stop == maps.k_pos.shape[-1]:
+            return maps.new[1]
+        return self._factors(
+            ("keys", maps.names, start, stop),
+            lambda: [at(maps.k_pos[:, start:stop]) for at in maps.maps],
+            *maps.angles,
+            dtype,
+            maps.grouped,
+        )
 
-        return self.kept_keys(module, key, names, rotation)
+    def keys_at(self, module, key: torch.Tensor, maps: KeyMaps) -> torch.Tensor:
+        """`key` (the keys attention received) rotated to each position map of `maps`: [B, H, M,
+        kv_len, D], kept between forwards (kept_keys)."""
+        # a partial, not a closure: kept_keys calls key_factors itself, one call fewer in every layer
+        return self.kept_keys(module, key, maps.names, partial(self.key_factors, maps, dtype=key.dtype))
 
     def holds(self, names) -> bool:
         """Whether the kept keys of the forward's cache hold a map named `names` (in some layer): the
