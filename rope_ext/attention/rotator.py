@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Callable
 
 import torch
@@ -45,10 +45,11 @@ class Rotator:
     """The rotation a patch's attention transforms are handed: the frame of the running forward
     (`frame`: positions, the scaling of each query, frequencies; rope_ext.rotation.RotationFrame),
     the model's rotary geometry (`geometry`, and its `pairing` and `layout`), the method as bound
-    (`method`, `params`), and the keys kept rotated between forwards (`keys`, RotatedKeys). Its
-    hooks on the decoder track the KV cache each forward extends (`attach`); what every layer of a
-    forward computes alike (cos/sin of the same positions, the checks of the positions, a
-    transform's schedule) it computes once per forward (`per_forward`).
+    (`method`, `params`), and the keys kept rotated between forwards (`keys`, RotatedKeys, made by
+    the first forward that tracks a cache: a patch makes none). Its hooks on the decoder track the
+    KV cache each forward extends (`attach`); what every layer of a forward computes alike (cos/sin
+    of the same positions, the checks of the positions, a transform's schedule) it computes once
+    per forward (`per_forward`).
 
     It reads the rotary module that makes the frames (rope_ext.rotary) once, as values: a layer
     calls nothing there. A copy of the model (deepcopy, pickle) reads the copied module again,
@@ -57,7 +58,6 @@ class Rotator:
     def __init__(self, rotary):
         self._rotary = rotary
         self._read(rotary)
-        self.keys = RotatedKeys()
         self._forward = ForwardEntries()
         self._hooks: list = []
 
@@ -66,8 +66,12 @@ class Rotator:
         self.method, self.params = rotary.method, rotary.params
         self.pairing, self.layout = rotary.geometry.pairing, rotary.geometry.layout
 
+    @cached_property
+    def keys(self) -> RotatedKeys:
+        return RotatedKeys()
+
     def __getstate__(self):
-        return {"_rotary": self._rotary, "keys": self.keys, "_hooks": self._hooks}
+        return {"_rotary": self._rotary, "_hooks": self._hooks}  # the copy's kept keys start empty
 
     def __setstate__(self, state):
         self.__dict__.update(state, _forward=ForwardEntries())
