@@ -20,6 +20,17 @@ from rope_ext.attention import AttentionChain, AttentionTransform
 
 WINDOW = 64
 
+# yarn's parameters as a patch at factor 4 with beta_fast=16 records them, as JSON: result files and
+# records keep these bytes (tests/contract/test_patch.py, tests/method/test_method_check.py).
+YARN_PARAMS = {
+    "beta_fast": 16,
+    "beta_slow": 1.0,
+    "truncate": True,
+    "attention_factor": None,
+    "mscale": None,
+    "mscale_all_dim": None,
+}
+
 # The methods whose keys are cached before rotation: attention rotates them at each forward.
 DYNAMIC_METHODS = ["dynamic", "dynamic_yarn", "self_extend"]
 

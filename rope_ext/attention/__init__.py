@@ -26,7 +26,7 @@ from .parts import (
     merge_by_lse,
     window_parts,
 )
-from .rotator import RotatingTransform, Rotator
+from .rotator import KeyMaps, RotatingTransform, Rotator
 from .schedule import RotateInAttention
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "merge_by_lse",
     "window_parts",
     "RotatedKeys",
+    "KeyMaps",
     "Rotator",
     "RotatingTransform",
     "RotateInAttention",

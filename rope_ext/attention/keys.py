@@ -19,15 +19,12 @@ class RotatedKeys:
     transformers' DynamicLayer replaces that tensor on every change (update, crop, reorder_cache,
     batch_repeat_interleave, batch_select_indices), so a cache changed between forwards is rotated
     again in full, never served stale, and a map a forward did not use is let go before the next.
-    Other cache layers (which may write in place) are always rotated in full. A copy of the store
-    (deepcopy or pickle of the model) starts empty."""
+    Other cache layers (which may write in place) are always rotated in full. A copy of the model
+    (deepcopy, pickle) copies no store: its rotator makes its own, empty (rope_ext.attention.Rotator)."""
 
     def __init__(self):
         self._caches: list[tuple[weakref.ref, dict]] = []
         self._lock = threading.Lock()  # threads running the model at once, each with its own cache
-
-    def __reduce__(self):
-        return (RotatedKeys, ())
 
     def entries(self, cache) -> dict:
         """{(layer index, map name): (number of keys, (B, H, D), rotated keys in a buffer with room

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import Callable
 
 import torch
@@ -21,14 +23,33 @@ from .keys import ForwardEntries, RotatedKeys
 from .parts import hides_keys
 
 
+@dataclass
+class KeyMaps:
+    """The position maps a transform keeps keys rotated to (RotatedKeys), named `names`: map m takes
+    the keys' positions `k_pos` [B or 1, kv_len] (with `grouped`, [B or 1, kv_len, G], as
+    `Rotator.factors` takes them) to maps[m](k_pos), rotated at `angles` (inv_freq, attention
+    factor); `new`, where a transform's `shared` computed it (Rotator.key_maps): (held, the prepared
+    (cos, sin) of the keys from `held` on, the forward's new keys). The maps and the frequencies
+    must be the patch's for the cache's life, and each key's positions follow from its own position
+    alone."""
+
+    names: tuple
+    k_pos: torch.Tensor
+    maps: tuple
+    angles: tuple
+    grouped: bool = False
+    new: tuple | None = None
+
+
 class Rotator:
     """The rotation a patch's attention transforms are handed: the frame of the running forward
     (`frame`: positions, the scaling of each query, frequencies; rope_ext.rotation.RotationFrame),
     the model's rotary geometry (`geometry`, and its `pairing` and `layout`), the method as bound
-    (`method`, `params`), and the keys kept rotated between forwards (`keys`, RotatedKeys). Its
-    hooks on the decoder track the KV cache each forward extends (`attach`); what every layer of a
-    forward computes alike (cos/sin of the same positions, the checks of the positions, a
-    transform's schedule) it computes once per forward (`per_forward`).
+    (`method`, `params`), and the keys kept rotated between forwards (`keys`, RotatedKeys, made by
+    the first forward that tracks a cache: a patch makes none). Its hooks on the decoder track the
+    KV cache each forward extends (`attach`); what every layer of a forward computes alike (cos/sin
+    of the same positions, the checks of the positions, a transform's schedule) it computes once
+    per forward (`per_forward`).
 
     It reads the rotary module that makes the frames (rope_ext.rotary) once, as values: a layer
     calls nothing there. A copy of the model (deepcopy, pickle) reads the copied module again,
@@ -37,7 +58,6 @@ class Rotator:
     def __init__(self, rotary):
         self._rotary = rotary
         self._read(rotary)
-        self.keys = RotatedKeys()
         self._forward = ForwardEntries()
         self._hooks: list = []
 
@@ -46,8 +66,12 @@ class Rotator:
         self.method, self.params = rotary.method, rotary.params
         self.pairing, self.layout = rotary.geometry.pairing, rotary.geometry.layout
 
+    @cached_property
+    def keys(self) -> RotatedKeys:
+        return RotatedKeys()
+
     def __getstate__(self):
-        return {"_rotary": self._rotary, "keys": self.keys, "_hooks": self._hooks}
+        return {"_rotary": self._rotary, "_hooks": self._hooks}  # the copy's kept keys start empty
 
     def __setstate__(self, state):
         self.__dict__.update(state, _forward=ForwardEntries())
@@ -201,26 +225,33 @@ class Rotator:
             )
         return first
 
-    def keys_at(
-        self, module, key: torch.Tensor, names: tuple, k_pos: torch.Tensor, maps: tuple, inv_freq, scale, grouped: bool = False
-    ) -> torch.Tensor:
-        """`key` (the keys attention received) rotated to each position map maps[m](k_pos) [B or 1,
-        kv_len] (with `grouped`, [B or 1, kv_len, G], as rotate_to), named names[m], with the given
-        frequencies: [B, H, M, kv_len, D], kept between forwards (kept_keys). The maps and the
-        frequencies must be the patch's for the cache's life, and each key's positions follow from
-        its own position alone."""
+    def key_maps(
+        self, names: tuple, k_pos: torch.Tensor, maps: tuple, angles: tuple, dtype, held: int, grouped: bool = False
+    ) -> KeyMaps:
+        """KeyMaps with the prepared (cos, sin) of the keys from `held` on (the forward's new keys)
+        computed now: in a transform's `shared`, once for every layer of the forward."""
+        new = self.factors([at(k_pos[:, held:]) for at in maps], *angles, dtype, grouped)
+        return KeyMaps(names, k_pos, maps, angles, grouped, (held, new))
 
-        def rotation(start: int, stop: int):
-            return self._factors(
-                ("keys", names, start, stop),
-                lambda: [at(k_pos[:, start:stop]) for at in maps],
-                inv_freq,
-                scale,
-                key.dtype,
-                grouped,
-            )
+    def key_factors(self, maps: KeyMaps, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared (cos, sin) [B or 1, 1, M, stop - start, D] of keys start:stop under `maps`:
+        the forward's new keys from `maps.new`, any other span (a cache the store does not serve)
+        once per forward."""
+        if maps.new is not None and start == maps.new[0] and stop == maps.k_pos.shape[-1]:
+            return maps.new[1]
+        return self._factors(
+            ("keys", maps.names, start, stop),
+            lambda: [at(maps.k_pos[:, start:stop]) for at in maps.maps],
+            *maps.angles,
+            dtype,
+            maps.grouped,
+        )
 
-        return self.kept_keys(module, key, names, rotation)
+    def keys_at(self, module, key: torch.Tensor, maps: KeyMaps) -> torch.Tensor:
+        """`key` (the keys attention received) rotated to each position map of `maps`: [B, H, M,
+        kv_len, D], kept between forwards (kept_keys)."""
+        # a partial, not a closure: kept_keys calls key_factors itself, one call fewer in every layer
+        return self.kept_keys(module, key, maps.names, partial(self.key_factors, maps, dtype=key.dtype))
 
     def holds(self, names) -> bool:
         """Whether the kept keys of the forward's cache hold a map named `names` (in some layer): the

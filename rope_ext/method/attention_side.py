@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
-from rope_ext.attention.rotator import RotatingTransform, Rotator
+from rope_ext.attention.rotator import KeyMaps, RotatingTransform, Rotator
 from rope_ext.attention.schedule import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
@@ -108,22 +108,16 @@ def reaching_group(window_tokens: int, target: int, window: int, least: int = 2)
 
 @dataclass
 class TwoParts:
-    """What the layers of a forward share in TwoPartAttention (`shared`): the keys' positions, the
-    frequencies, which queries attend in two parts (`extended` [B, Sq]; `first`, the first row
-    that does, None: none does), the neighbour window, the key maps and their names (RotatedKeys),
-    the queries' prepared (cos, sin), (held, the prepared (cos, sin) of the keys from `held` on: the
-    forward's new keys), and whether the rows past the window attend without masks."""
+    """What the layers of a forward share in TwoPartAttention (`shared`): which queries attend in two
+    parts (`extended` [B, Sq]; `first`, the first row that does, None: none does), the neighbour
+    window, the queries' prepared (cos, sin), the key maps with the forward's new keys' (cos, sin)
+    (KeyMaps), and whether the rows past the window attend without masks."""
 
-    k_pos: torch.Tensor
-    angles: tuple  # (inv_freq, attention factor)
-    grouped: bool
     first: int | None
     extended: torch.Tensor
     window: int
-    names: tuple
-    k_maps: tuple
     queries: tuple
-    new_keys: tuple
+    keys: KeyMaps
     unmasked: bool
 
 
@@ -141,7 +135,7 @@ class TwoPartAttention(RotatingTransform):
         # every query rotated to its own (and, from `first` on, its distant) position, every key
         # (kept between forwards) to its own and, where the method moves it, its distant one
         queries = rotator.temper(rotate_prepared(query.unsqueeze(2), *step.queries, *rotator.pairing))
-        keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
+        keys = rotator.keys_at(module, key, step.keys)
         first, window = step.first, step.window
         if first is None:
             return attend(module, queries[:, :, 0], keys[:, :, 0], value, attention_mask, **kwargs)
@@ -202,16 +196,11 @@ class TwoPartAttention(RotatingTransform):
             names, k_maps = ("own", "distant"), (own, lambda at: method.distant_key(at, params))
         window, held = method.near_window(params), kv_len - q_len
         return TwoParts(
-            k_pos=k_pos,
-            angles=(inv_freq, scale),
-            grouped=grouped,
             first=first,
             extended=extended,
             window=window,
-            names=names,
-            k_maps=k_maps,
             queries=rotator.factors([at(frame.q_pos) for at in q_maps], inv_freq, scale, q_dtype, grouped),
-            new_keys=(held, rotator.factors([at(k_pos[:, held:]) for at in k_maps], inv_freq, scale, k_dtype, grouped)),
+            keys=rotator.key_maps(names, k_pos, k_maps, (inv_freq, scale), k_dtype, held, grouped),
             # with no mask to honour but the causal one and every row from `first` on past the window
             # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
             # rows gets one
@@ -219,19 +208,6 @@ class TwoPartAttention(RotatingTransform):
             and not hides_keys(attention_mask, kv_len)
             and bool(extended[:, first:].all())
             and held + first >= window,
-        )
-
-    def _key_factors(self, step: TwoParts, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prepared (cos, sin) of keys start:stop under the step's key maps: the forward's new
-        keys from the step, any other span (a cache the store does not serve) once per forward."""
-        if start == step.new_keys[0] and stop == step.k_pos.shape[-1]:
-            return step.new_keys[1]
-        return self.rotator._factors(
-            ("keys", step.names, start, stop),
-            lambda: [at(step.k_pos[:, start:stop]) for at in step.k_maps],
-            *step.angles,
-            dtype,
-            step.grouped,
         )
 
     @staticmethod

@@ -25,11 +25,11 @@ runs: docs/concepts.md, "How the attention-side methods run".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
-from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import KeyMaps, RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -68,23 +68,19 @@ class ChunkRows:
 
 @dataclass
 class ChunkStep:
-    """What the layers of a forward share in DualChunkAttention (`shared`): the keys' positions
-    [1, kv_len], the frequencies, the position of key index 0 (`first`), the rows attended at their
-    own positions (`exact`) and the others' chunks, the kept key map and its name (RotatedKeys), the
-    prepared (cos, sin) of the exact rows, of the keys they see where not every row is exact, of
-    each chunk's rows, and (held, those of the keys from `held` on: the forward's new keys)."""
+    """What the layers of a forward share in DualChunkAttention (`shared`): the position of key
+    index 0 (`first`), the rows attended at their own positions (`exact`) and the others' chunks,
+    the prepared (cos, sin) of the exact rows, of the keys they see where not every row is exact
+    and of each chunk's rows, and the kept key map with the forward's new keys' (cos, sin)
+    (KeyMaps: the keys' positions [1, kv_len])."""
 
-    k_pos: torch.Tensor
-    angles: tuple
     first: int
     exact: int
     chunks: list
-    names: tuple
-    key_map: Callable
     queries: tuple | None
     own_keys: tuple | None
     chunk_queries: list
-    new_keys: tuple
+    keys: KeyMaps
 
 
 class DualChunkAttention(RotatingTransform):
@@ -123,8 +119,7 @@ class DualChunkAttention(RotatingTransform):
         step = self.step("chunks", query, key, attention_mask)
         # every key at its own position while every query is below min(c + 1, 2s), else at its place
         # in its chunk: rotated once and kept between forwards
-        keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
-        keys = keys[:, :, 0]
+        keys = rotator.keys_at(module, key, step.keys)[:, :, 0]
         exact, pairing = step.exact, rotator.pairing
         outputs = []
         offset = kv_len - q_len
@@ -160,27 +155,14 @@ class DualChunkAttention(RotatingTransform):
             names, key_map = ("in chunk",), (lambda at: at % span)
         held, end = kv_len - q_len, kv_len - q_len + exact
         return ChunkStep(
-            k_pos=k_pos,
-            angles=(inv_freq, scale),
             first=first,
             exact=exact,
             chunks=chunks,
-            names=names,
-            key_map=key_map,
             queries=rotator.factors([positions[:, :exact]], inv_freq, scale, q_dtype) if exact else None,
             own_keys=rotator.factors([k_pos[:, :end]], inv_freq, scale, k_dtype) if 0 < exact < q_len else None,
             # the rows of chunk n: n names their positions
             chunk_queries=[rotator.factors([r.within, r.successive, r.inter], inv_freq, scale, q_dtype) for r in chunks],
-            new_keys=(held, rotator.factors([key_map(k_pos[:, held:])], inv_freq, scale, k_dtype)),
-        )
-
-    def _key_factors(self, step: ChunkStep, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prepared (cos, sin) of keys start:stop at their kept positions: the forward's new keys
-        from the step, any other span (a cache the store does not serve) once per forward."""
-        if start == step.new_keys[0] and stop == step.k_pos.shape[-1]:
-            return step.new_keys[1]
-        return self.rotator._factors(
-            ("keys", step.names, start, stop), lambda: [step.key_map(step.k_pos[:, start:stop])], *step.angles, dtype
+            keys=rotator.key_maps(names, k_pos, (key_map,), (inv_freq, scale), k_dtype, held),
         )
 
     @staticmethod

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse, window_parts
+from rope_ext.attention import KeyMaps, RotatingTransform, attend_with_lse, exact_rows, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -164,7 +164,7 @@ class SinkWindowAttention(RotatingTransform):
         # the positions of the keys received: past the sinks, indices skip the keys let go
         k_pos = frame.k_pos[:1] if not let_go else torch.cat((frame.k_pos[:1, :sinks], frame.k_pos[:1, sinks + let_go :]), dim=-1)
         # every key rotated once to its own position, kept between forwards (a DynamicCache's)
-        k_all = self.rotator.keys_at(module, key, ("own",), k_pos, (lambda at: at,), inv_freq, scale)[:, :, 0]
+        k_all = self.rotator.keys_at(module, key, KeyMaps(("own",), k_pos, (lambda at: at,), (inv_freq, scale)))[:, :, 0]
         span = sinks + window
         offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window

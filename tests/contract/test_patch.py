@@ -19,6 +19,7 @@ from rope_ext.rotary import ExtendedRotaryEmbedding
 from helpers import (
     DYNAMIC_METHODS,
     WINDOW,
+    YARN_PARAMS,
     frequency_scaling,
     greedy,
     load_llama,
@@ -414,15 +415,7 @@ def test_generate_warns_of_the_length_only_past_the_patch_max_length(tiny_model,
     ]
 
 
-# The patch in each of its shapes, as JSON: result files and records keep these bytes.
-YARN_PARAMS = {
-    "beta_fast": 16,
-    "beta_slow": 1.0,
-    "truncate": True,
-    "attention_factor": None,
-    "mscale": None,
-    "mscale_all_dim": None,
-}
+# The patch in each of its shapes, as JSON (its parameters: YARN_PARAMS): result files and records keep these bytes.
 YARN_RECORD = {
     "version": 1,
     "method": "yarn",

@@ -134,13 +134,12 @@ PATCH_MODULES = {
         "rope_ext/method/attention_side.py",
         "rope_ext/method/self_extend.py",
     },
-    # dpe chooses its group as self_extend does (self_extend.choose_group)
+    # dpe's group is chosen in attention_side, which it builds on as self_extend does
     "dpe": {
         "rope_ext/method/base.py",
         "rope_ext/method/stated.py",
         "rope_ext/method/attention_side.py",
         "rope_ext/method/dpe.py",
-        "rope_ext/method/self_extend.py",
     },
 }
 
@@ -162,10 +161,11 @@ def test_patch_enters_no_method_module_it_does_not_use(method):
 # and the attention chain), install (the adapter, then the record). The files it may enter: the
 # orchestration and the record (patching, record, shipped), the adapter (patches/__init__, llama,
 # probe, and the rotation and attention the probe proves the model's by: rotation, attention/interface,
-# attention/parts), the rotary module and its geometry, and the method's modules (PATCH_MODULES)
-# with method/__init__; an attention-side method also its transform's rotator (attention/rotator) and key store
-# (attention/keys) and the chain install attaches (attention/interface).
-PATCH_FILES = {"yarn": 14, "self_extend": 17, "dpe": 17}
+# attention/parts), the rotary module and its geometry (checked as the adapter reads it), and the
+# method's modules (PATCH_MODULES) with method/__init__; an attention-side method also its
+# transform's rotator (attention/rotator) and the chain install attaches (attention/interface), not
+# the rotator's key store (attention/keys), which the first forward that keeps keys makes.
+PATCH_FILES = {"yarn": 14, "self_extend": 16, "dpe": 16}
 # What patch() may ask the adapter: each method of the contract.
 ADAPTER_CALLS = {name for name, value in vars(FamilyAdapter).items() if callable(value) and not name.startswith("_")}
 
@@ -176,6 +176,7 @@ def test_patch_walks_a_few_files_in_six_steps(method):
     question per fact, and no other call into an adapter from the orchestration."""
     walk = patch_walk(method, factor=4)
     assert len(walk.files()) <= PATCH_FILES[method], sorted(walk.files())
+    assert "rope_ext/attention/keys.py" not in walk.files()
     asked = Counter(
         function for file, function, caller in walk.crossing() if caller == "rope_ext/patching.py" and file.startswith("patches/")
     )

@@ -8,8 +8,7 @@ import re
 
 import pytest
 import yaml
-from helpers import REQUIRED, cli_error_line, random_model, required_params
-from test_patch import YARN_PARAMS
+from helpers import REQUIRED, YARN_PARAMS, cli_error_line, random_model, required_params
 from lm_eval.models.huggingface import HFLM
 
 import rope_ext
