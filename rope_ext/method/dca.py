@@ -29,7 +29,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from rope_ext.attention import RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import RotatingTransform, attend_one_row, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -123,7 +123,12 @@ class DualChunkAttention(RotatingTransform):
         step = self.step("chunks", query, key, attention_mask)
         # every key at its own position while every query is below min(c + 1, 2s), else at its place
         # in its chunk: rotated once and kept between forwards
-        keys = rotator.kept_keys(module, key, step.names, lambda start, stop: self._key_factors(step, start, stop, key.dtype))
+        keys = rotator.kept_keys(
+            module,
+            key,
+            step.names,
+            rotator.kept_rotation(step.new_keys, step.k_pos, step.names, (step.key_map,), step.angles, key.dtype),
+        )
         keys = keys[:, :, 0]
         exact, pairing = step.exact, rotator.pairing
         outputs = []
@@ -174,15 +179,6 @@ class DualChunkAttention(RotatingTransform):
             new_keys=(held, rotator.factors([key_map(k_pos[:, held:])], inv_freq, scale, k_dtype)),
         )
 
-    def _key_factors(self, step: ChunkStep, start: int, stop: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prepared (cos, sin) of keys start:stop at their kept positions: the forward's new keys
-        from the step, any other span (a cache the store does not serve) once per forward."""
-        if start == step.new_keys[0] and stop == step.k_pos.shape[-1]:
-            return step.new_keys[1]
-        return self.rotator._factors(
-            ("keys", step.names, start, stop), lambda: [step.key_map(step.k_pos[:, start:stop])], *step.angles, dtype
-        )
-
     @staticmethod
     def _rows(positions: torch.Tensor, span: int, chunk: int) -> tuple[int, list]:
         """(the number of rows whose every key is in their chunk or the one before at its true
@@ -221,20 +217,25 @@ class DualChunkAttention(RotatingTransform):
         end = lo + query.shape[-2]
         queries = rotate_prepared(query.unsqueeze(2), *factors, *self.rotator.pairing)
         q_intra, q_succ, q_inter = self.rotator.temper(queries, rows.lo, rows.hi).unbind(2)
-        if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
-            parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
-        else:
-            parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
-            if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
-                out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
-                parts.append((out, lse, None))
+        # (query, first key, end, causal) of each part: a single row (a decode step) sees every key of
+        # its chunk up to its own; more rows, their causal square and the keys of the chunk before
+        # their first row in this forward, which every row sees
+        single = end - lo == 1
+        spans = [(q_intra, start, end, False)] if single else [(q_intra, lo, end, True)]
+        if lo > start and not single:
+            spans.append((q_intra, start, lo, False))
         if start > previous:
-            out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
-            parts.append((out, lse, None))
+            spans.append((q_succ, previous, start, False))
         if previous > 0:
-            out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
-            parts.append((out, lse, None))
-        return merge_by_lse(parts).transpose(1, 2)
+            spans.append((q_inter, 0, previous, False))
+        parts = []
+        for q, a, b, causal in spans:
+            keys_seen, values_seen = keys[:, :, a:b], value[:, :, a:b]
+            if single:
+                parts.append((q, keys_seen, values_seen))
+            else:
+                parts.append((*attend_with_lse(q, keys_seen, values_seen, causal=causal, scale=scaling), None))
+        return attend_one_row(parts, scaling) if single else merge_by_lse(parts).transpose(1, 2)
 
 
 @dataclass(frozen=True)
