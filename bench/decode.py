@@ -18,6 +18,7 @@ or two rotated copies of the keys beside them (pick a few --methods at 32k on 24
 
     python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
+    python bench/decode.py --layers 2 --lengths 2048 --new-tokens 64 --threads 1 --methods self_extend sink_window yarn
 """
 
 from __future__ import annotations
@@ -126,6 +127,11 @@ def variants(model, factor: float, specs: list[tuple[str, str, dict]]) -> tuple[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help='"tiny" (the tiny trained model), "smollm2", or a checkpoint path')
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="keep the model's first N decoder layers: a shallow model shows what a method adds per step and layer",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 12288, 32768])
     parser.add_argument("--new-tokens", type=int, default=9, help="greedy decode steps after the prompt")
     parser.add_argument("--repeats", type=int, default=3)
@@ -144,8 +150,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
-    if args.new_tokens < 1 or args.repeats < 1:
-        parser.error("--new-tokens and --repeats must be at least 1")
+    if args.new_tokens < 1 or args.repeats < 1 or (args.layers is not None and args.layers < 1):
+        parser.error("--new-tokens, --repeats and --layers must be at least 1")
     try:
         specs = parse_specs(args.methods or list(rope_ext.methods()), [])
     except ValueError as error:
@@ -157,12 +163,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     model, tokenizer, given = load(args.model, DTYPES[args.dtype])
+    if args.layers:
+        model.model.layers = model.model.layers[: args.layers]
+        model.config.num_hidden_layers = len(model.model.layers)
     stream = tokenizer(gutenberg_text(), return_tensors="pt").input_ids
     stream = stream.repeat(1, -(-max(args.lengths) // stream.shape[1]))  # the text again if it is short
     models, skipped = variants(model, args.factor, specs)
     results: dict = {
         "model": args.model,
         "window": model.config.max_position_embeddings,
+        "layers": model.config.num_hidden_layers,
         "factor": args.factor,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

@@ -280,7 +280,7 @@ class DynamicRotation:
                 )
             past = past if held is None else past[..., :held]
             k_pos = torch.cat((past.expand(q_pos.shape[0], -1).to(q_pos.device), q_pos), dim=-1)
-        frame = RotationFrame(q_pos, k_pos, self.scaled_lengths(q_pos), lru_cache(maxsize=None)(self.frequencies))
+        frame = RotationFrame(q_pos, k_pos, self.scaled_lengths, lru_cache(maxsize=None)(self.frequencies))
         self.state.frame = self.frame = frame
         return frame
 

@@ -7,6 +7,7 @@ activations' dtype, as transformers' rotary modules do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -60,13 +61,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: 
 class RotationFrame:
     """Positions seen by one forward pass of a dynamic method, shared by all layers.
 
-    lengths[b, i] is the length whose scaling query i of row b uses; `angles(length)` gives that
-    scaling's (inv_freq, attention_factor), computed once per forward."""
+    lengths[b, i] is the length whose scaling query i of row b uses, `schedule(q_pos)`, computed at
+    its first read (sink_window and dca never read it); `angles(length)` gives that scaling's
+    (inv_freq, attention_factor), computed once per forward."""
 
     q_pos: torch.Tensor  # [B, Sq]
     k_pos: torch.Tensor  # [B, Sk], cached keys first
-    lengths: torch.Tensor  # [B, Sq]
+    schedule: Callable[[torch.Tensor], torch.Tensor]
     angles: Callable[[int], tuple[torch.Tensor, float]]
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        """[B, Sq]"""
+        return self.schedule(self.q_pos)
 
     def rotation(self, length: int, keys: bool, start: int, stop: int, dtype: torch.dtype):
         """(cos, sin) for queries (or keys) start:stop under `length`'s scaling. Every layer needs

@@ -18,6 +18,7 @@ from .interface import (
 from .keys import RotatedKeys
 from .parts import (
     SCORE_BYTES,
+    attend_one_row,
     attend_with_lse,
     attend_with_lse_by_scores,
     causal_mask,
@@ -40,6 +41,7 @@ __all__ = [
     "base_name",
     "registered_name",
     "SCORE_BYTES",
+    "attend_one_row",
     "attend_with_lse",
     "attend_with_lse_by_scores",
     "causal_mask",

@@ -157,7 +157,8 @@ class AttentionChain:
         for transform in reversed(self.transforms):
             attend = _bind(transform, attend)
         out, weights = attend(module, query, key, value, attention_mask, **kwargs)
-        if weights is None and kwargs.get("output_attentions", getattr(module.config, "output_attentions", False)):
+        asked = kwargs.get("output_attentions")
+        if weights is None and (getattr(module.config, "output_attentions", False) if asked is None else asked):
             raise ValueError(
                 f"output_attentions=True: {self.method} under rope-ext returns no attention weights here: methods that "
                 "merge one softmax from several attention calls have none, and the others have them on the eager "

@@ -88,11 +88,12 @@ def attend_on_cpu(query, key, value, *, causal: bool = False, mask: torch.Tensor
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query.reshape(batch, heads // groups, groups, dim), key, value, 0.0, False, attn_mask=mask, scale=scale
         )
-        return out.reshape(batch, heads, 1, out.shape[-1])[..., :width], lse.reshape(batch, heads, 1)
+        out = out.reshape(batch, heads, 1, out.shape[-1])
+        return (out if width == dim else out[..., :width]), lse.reshape(batch, heads, 1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, causal, attn_mask=mask, scale=scale
     )
-    return out[..., :width], lse
+    return (out if width == dim else out[..., :width]), lse
 
 
 # the memory-efficient CUDA kernel reads its additive mask in rows whose stride is a multiple of
@@ -166,11 +167,29 @@ def merge_by_lse(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | No
     see, or whose lse is -inf, gets weight 0. Returns [B, H, Sq, D] in the first output's dtype."""
     lses = torch.stack([lse if seen is None else lse.masked_fill(~seen, float("-inf")) for _, lse, seen in parts])
     # all parts unseen: a row with no key at all; not in place, autograd keeps the softmax
-    weights = torch.softmax(lses, dim=0).nan_to_num(0.0)[..., None]
-    merged = weights[0] * parts[0][0]
-    for weight, (out, _, _) in zip(weights[1:], parts[1:]):
+    first, *weights = torch.softmax(lses, dim=0).nan_to_num(0.0).unsqueeze(-1).unbind(0)
+    merged = first * parts[0][0]
+    for weight, (out, _, _) in zip(weights, parts[1:]):
         merged.addcmul_(weight, out)  # in place: a product and a sum per part would each be a new tensor
     return merged if merged.dtype == parts[0][0].dtype else merged.to(parts[0][0].dtype)
+
+
+def attend_one_row(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
+    """A single query row (a decode step) attending each part's keys, every one of them, in one
+    softmax: parts are (query [B, H, 1, D], key [B, Hkv, n, D], value [B, Hkv, n, Dv]) over disjoint
+    keys. Returns [B, 1, H, Dv], the backends' layout.
+
+    Each part is one attend_with_lse call with the query heads of each key head as the rows of
+    that head (torch's pack_gqa: the keys are read once, not once per query head, and without a
+    mask each row sees every key), and the parts are merged in that layout: no copy of a part's
+    output or log-sum-exp to the [B, H, 1] layout, whose bits the merge's are (the heads of a key
+    head are consecutive in both). A step's few rows make its cost the count of its operations."""
+    batch, heads, _, dim = parts[0][0].shape
+    attended = []
+    for query, key, value in parts:
+        attended.append((*attend_with_lse(query.view(batch, key.shape[1], -1, dim), key, value, scale=scale), None))
+    merged = merge_by_lse(attended)
+    return merged.reshape(batch, heads, 1, merged.shape[-1]).transpose(1, 2)
 
 
 def window_parts(query, key, value, first: int, window: int, scale: float | None = None):

@@ -186,11 +186,12 @@ class Rotator:
 
     def factors(self, positions, inv_freq, scale, dtype, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B or 1, 1, P, S, D] of each of the P position tensors `positions` (as rotate_to
-        takes them), prepared (rope_ext.rotation). Each position tensor's (cos, sin) are computed
-        apart, as they would be alone, so that their bits do not depend on what else is rotated with
-        them."""
-        pairs = [cos_sin(inv_freq, scale, at, dtype, grouped) for at in positions]
-        return prepared(torch.stack([c for c, _ in pairs], 1), torch.stack([s for _, s in pairs], 1), self.layout)
+        takes them; grouped ones of one group and of G alike), prepared (rope_ext.rotation), in one
+        computation of them all: each of its operations is elementwise, so that each position
+        tensor's bits are those it has alone (tests/attention/test_decode_cache.py), in a few
+        operations where one computation per tensor takes a dozen each."""
+        at = positions[0].unsqueeze(1) if len(positions) == 1 else torch.stack(torch.broadcast_tensors(*positions), 1)
+        return prepared(*cos_sin(inv_freq, scale, at, dtype, grouped), self.layout)
 
     def key_positions(self, kv_len: int) -> torch.Tensor:
         """[B, kv_len]: the positions of the keys attention received, the newest kv_len the patch wrote."""
@@ -267,14 +268,14 @@ class Rotator:
         (self.keys) where it holds them under `names`, the new ones are rotated here, and the
         store then holds them all if `keep` (the next forward needs them); otherwise every key is
         rotated here."""
-        pairing, kv_len = self.pairing, key.shape[-2]
-        index = self._stored_layer(module, key)
+        pairing, kv_len, frame = self.pairing, key.shape[-2], self.frame
+        index = self._stored_layer(module, key, frame)
         if index is None:
             return rotate_prepared(key.unsqueeze(2), *rotation(0, kv_len), *pairing)
         entries = self._forward.kept
         if entries is None:  # a transform whose hooks are not on the model (swapped in by hand) finds them here
             entries = self.keys.entries(self.rotation.state.cache)
-        held = kv_len - self.frame.q_pos.shape[-1]
+        held = kv_len - frame.q_pos.shape[-1]
         entry = entries.get((index, names))
         if (
             entry is not None
@@ -299,9 +300,9 @@ class Rotator:
             entries.pop((index, names), None)
         return buffer[..., :kv_len, :]
 
-    def _stored_layer(self, module, key: torch.Tensor) -> int | None:
-        """The index of the DynamicLayer whose whole cache `key` is, in a forward without autograd;
-        None where the store does not apply."""
+    def _stored_layer(self, module, key: torch.Tensor, frame) -> int | None:
+        """The index of the DynamicLayer whose whole cache `key` is, in a forward (of `frame`)
+        without autograd; None where the store does not apply."""
         # the remote-code ChatGLM rotary module tracks no pending cache: its keys are rotated in full
         cache, index = self.rotation.state.cache, getattr(module, "layer_idx", None)
         cache_layers = getattr(cache, "layers", None)
@@ -309,7 +310,7 @@ class Rotator:
             return None
         if type(cache_layers[index]) is not DynamicLayer or cache_layers[index].keys is not key:
             return None
-        if self.frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
+        if frame.k_pos.shape[-1] != key.shape[-2]:  # the positions of all the layer's keys, first at 0
             return None
         return index
 

@@ -32,7 +32,15 @@ from typing import ClassVar
 
 import torch
 
-from rope_ext.attention.parts import SCORE_BYTES, attend_with_lse, exact_rows, hides_keys, merge_by_lse, window_parts
+from rope_ext.attention.parts import (
+    SCORE_BYTES,
+    attend_one_row,
+    attend_with_lse,
+    exact_rows,
+    hides_keys,
+    merge_by_lse,
+    window_parts,
+)
 from rope_ext.attention.rotator import KeyMaps, RotatingTransform, Rotator
 from rope_ext.attention.schedule import RotateInAttention
 from rope_ext.geometry import RotaryGeometry
@@ -140,8 +148,8 @@ class TwoPartAttention(RotatingTransform):
         if first is None:
             return attend(module, queries[:, :, 0], keys[:, :, 0], value, attention_mask, **kwargs)
         offset = kv_len - q_len  # query row r is key index offset + r
-        q_own, q_group = queries[:, :, 0], queries[:, :, 1, first:]
-        k_own, k_group = keys[:, :, 0], keys[:, :, -1]
+        (q_own, q_group), k_maps = queries.unbind(2), keys.unbind(2)
+        q_group, k_group, k_own = (q_group[:, :, first:] if first else q_group), k_maps[0], k_maps[-1]
         extended = step.extended
         outputs = []
         if first:
@@ -192,15 +200,23 @@ class TwoPartAttention(RotatingTransform):
         q_maps = (own,) if first is None else (own, lambda at: method.distant_query(at, params))
         if first is None or method.distant_keys_own:
             names, k_maps = ("own",), (own,)
-        else:
-            names, k_maps = ("own", "distant"), (own, lambda at: method.distant_key(at, params))
+        else:  # the distant map first: the keys' maps and the queries' are then one run, (distant, own, distant)
+            names, k_maps = ("distant", "own"), (lambda at: method.distant_key(at, params), own)
         window, held = method.near_window(params), kv_len - q_len
+        if q_dtype == k_dtype:
+            # the new keys sit at the queries' positions: one computation for both, their own map's once
+            maps = rotator.factors([at(frame.q_pos) for at in k_maps + q_maps[1:]], inv_freq, scale, q_dtype, grouped)
+            split = len(k_maps) - 1
+            queries, new_keys = tuple(t[:, :, split:] for t in maps), tuple(t[:, :, : split + 1] for t in maps)
+        else:
+            queries = rotator.factors([at(frame.q_pos) for at in q_maps], inv_freq, scale, q_dtype, grouped)
+            new_keys = rotator.factors([at(k_pos[:, held:]) for at in k_maps], inv_freq, scale, k_dtype, grouped)
         return TwoParts(
             first=first,
             extended=extended,
             window=window,
-            queries=rotator.factors([at(frame.q_pos) for at in q_maps], inv_freq, scale, q_dtype, grouped),
-            keys=rotator.key_maps(names, k_pos, k_maps, (inv_freq, scale), k_dtype, held, grouped),
+            queries=queries,
+            keys=KeyMaps(names, k_pos, k_maps, (inv_freq, scale), grouped, (held, new_keys)),
             # with no mask to honour but the causal one and every row from `first` on past the window
             # (one sequence), the parts need no mask of their own; otherwise (padding) each block of
             # rows gets one
@@ -221,11 +237,10 @@ class TwoPartAttention(RotatingTransform):
         far = first - window  # the last distant key of row r is far + r
         if rows == 1:
             near = slice(far + 1, first + 1)
-            parts = [
-                (*attend_with_lse(q_group, k_group[:, :, : far + 1], value[:, :, : far + 1], scale=scaling), None),
-                (*attend_with_lse(q_own, k_own[:, :, near], value[:, :, near], scale=scaling), None),
-            ]
-            return merge_by_lse(parts).transpose(1, 2)
+            return attend_one_row(
+                [(q_group, k_group[:, :, : far + 1], value[:, :, : far + 1]), (q_own, k_own[:, :, near], value[:, :, near])],
+                scaling,
+            )
         distant = []
         if far:
             distant.append(attend_with_lse(q_group, k_group[:, :, :far], value[:, :, :far], scale=scaling))

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from rope_ext.attention import KeyMaps, RotatingTransform, attend_with_lse, exact_rows, merge_by_lse
+from rope_ext.attention import KeyMaps, RotatingTransform, attend_one_row, attend_with_lse, exact_rows, merge_by_lse
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -203,20 +203,25 @@ class DualChunkAttention(RotatingTransform):
         end = lo + query.shape[-2]
         queries = rotate_prepared(query.unsqueeze(2), *factors, *self.rotator.pairing)
         q_intra, q_succ, q_inter = self.rotator.temper(queries, rows.lo, rows.hi).unbind(2)
-        if end - lo == 1:  # a single row (a decode step) sees every key of its chunk up to its own
-            parts = [(*attend_with_lse(q_intra, keys[:, :, start:end], value[:, :, start:end], scale=scaling), None)]
-        else:
-            parts = [(*attend_with_lse(q_intra, keys[:, :, lo:end], value[:, :, lo:end], causal=True, scale=scaling), None)]
-            if lo > start:  # keys of the chunk before its first row in this forward: every row sees them
-                out, lse = attend_with_lse(q_intra, keys[:, :, start:lo], value[:, :, start:lo], scale=scaling)
-                parts.append((out, lse, None))
+        # (query, first key, end, causal) of each part: a single row (a decode step) sees every key of
+        # its chunk up to its own; more rows, their causal square and the keys of the chunk before
+        # their first row in this forward, which every row sees
+        single = end - lo == 1
+        spans = [(q_intra, start, end, False)] if single else [(q_intra, lo, end, True)]
+        if lo > start and not single:
+            spans.append((q_intra, start, lo, False))
         if start > previous:
-            out, lse = attend_with_lse(q_succ, keys[:, :, previous:start], value[:, :, previous:start], scale=scaling)
-            parts.append((out, lse, None))
+            spans.append((q_succ, previous, start, False))
         if previous > 0:
-            out, lse = attend_with_lse(q_inter, keys[:, :, :previous], value[:, :, :previous], scale=scaling)
-            parts.append((out, lse, None))
-        return merge_by_lse(parts).transpose(1, 2)
+            spans.append((q_inter, 0, previous, False))
+        parts = []
+        for q, a, b, causal in spans:
+            keys_seen, values_seen = keys[:, :, a:b], value[:, :, a:b]
+            if single:
+                parts.append((q, keys_seen, values_seen))
+            else:
+                parts.append((*attend_with_lse(q, keys_seen, values_seen, causal=causal, scale=scaling), None))
+        return attend_one_row(parts, scaling) if single else merge_by_lse(parts).transpose(1, 2)
 
 
 @dataclass(frozen=True)

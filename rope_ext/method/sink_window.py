@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from rope_ext.attention import KeyMaps, RotatingTransform, attend_with_lse, exact_rows, merge_by_lse, window_parts
+from rope_ext.attention import KeyMaps, RotatingTransform, attend_one_row, attend_with_lse, exact_rows, merge_by_lse, window_parts
 from rope_ext.geometry import RotaryGeometry
 from rope_ext.rotation import rotate_prepared
 
@@ -107,6 +107,21 @@ class SinkWindowCache(Cache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+@dataclass
+class SinkStep:
+    """What the layers of a forward share in SinkWindowAttention (`shared`): the positions of the
+    keys attention receives [1, kv_len] (past the sinks, those a SinkWindowCache kept), the
+    frequencies, the rows at positions below sinks + window (`exact`, attended as the unpatched
+    model) and their prepared (cos, sin), those of the other rows at their own positions and at
+    sinks + window - 1, and the kept key map, every key at its own position, with the forward's new
+    keys' (cos, sin) (KeyMaps)."""
+
+    exact: int
+    exact_queries: tuple | None
+    queries: tuple | None
+    keys: KeyMaps
+
+
 class SinkWindowAttention(RotatingTransform):
     """Rotates queries and keys itself, with its rotator. The positions must be those of one
     unpadded sequence that starts at 0 (the same in every row). The keys it receives are key index = position, or, from a
@@ -146,60 +161,73 @@ class SinkWindowAttention(RotatingTransform):
             cache.serve(None)
 
     def __call__(self, module, query, key, value, attention_mask, attend, **kwargs):
-        frame = self.rotator.frame
+        rotator = self.rotator
         kv_len, q_len = key.shape[-2], query.shape[-2]
-        self.rotator.key_positions(kv_len)
-        self.rotator.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
+        step = self.step("sinks and window", query, key, attention_mask)
+        pairing, sinks, window = rotator.pairing, rotator.params["sinks"], rotator.params["window"]
+        # every key rotated once to its own position, kept between forwards (a DynamicCache's)
+        k_all = rotator.keys_at(module, key, step.keys)[:, :, 0]
+        exact = step.exact
+        offset = kv_len - q_len  # query row r is key index offset + r
+        outputs = []
+        if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
+            q_own = rotate_prepared(query[:, :, :exact].unsqueeze(2), *step.exact_queries, *pairing)[:, :, 0]
+            outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
+        if exact < q_len:
+            scaling = kwargs.get("scaling")
+            # the rows past the span at their own positions, and at sinks + window - 1 for the sinks
+            q_own, q_sinks = rotate_prepared(query[:, :, exact:].unsqueeze(2), *step.queries, *pairing).unbind(2)
+            lo_key = offset + exact - window + 1  # the first window key of row `exact`, past the sinks
+            k_window, v_window = k_all[:, :, lo_key:], value[:, :, lo_key:]
+            if q_len - exact == 1:  # a decode step sees the whole window and the sinks
+                parts = [(q_own, k_window, v_window)]
+                if sinks:
+                    parts.append((q_sinks, k_all[:, :, :sinks], value[:, :, :sinks]))
+                outputs.append(attend_one_row(parts, scaling))
+            else:  # row r sees window keys r .. r + window - 1: key index window - 1 + r is its own
+                if sinks:
+                    sink_out, sink_lse = attend_with_lse(q_sinks, k_all[:, :, :sinks], value[:, :, :sinks], scale=scaling)
+                for lo, hi, parts in window_parts(q_own, k_window, v_window, window - 1, window, scaling):
+                    if sinks:
+                        parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
+                    outputs.append(merge_by_lse(parts).transpose(1, 2))
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+    def shared(self, q_len: int, kv_len: int, q_dtype, k_dtype, attention_mask) -> SinkStep:
+        """What every layer of a forward with these lengths, dtypes and mask shares: computed by the
+        first such layer, in this one call, and read by the others."""
+        rotator = self.rotator
+        frame, trained = rotator.frame, rotator.geometry.original_window
+        rotator.key_positions(kv_len)
+        rotator.one_sequence(attention_mask, kv_len, q_len, NAME, from_zero=True)
         written = frame.k_pos.shape[-1]
         let_go = written - kv_len  # keys between the sinks and the window that the cache no longer holds
-        pairing, trained = self.rotator.geometry.pairing, self.rotator.geometry.original_window
-        sinks, window = self.rotator.params["sinks"], self.rotator.params["window"]
+        sinks, window = rotator.params["sinks"], rotator.params["window"]
         if let_go and kv_len != sinks + window - 1 + q_len:
             raise ValueError(
                 f"{NAME}: the KV cache returned {kv_len} of {written} keys, not the sinks and the window a "
                 "SinkWindowCache keeps (a sliding-window cache?); use a DynamicCache or rope_ext.chunked's cache"
             )
-
         inv_freq, scale = frame.angles(trained)
         # the positions of the keys received: past the sinks, indices skip the keys let go
         k_pos = frame.k_pos[:1] if not let_go else torch.cat((frame.k_pos[:1, :sinks], frame.k_pos[:1, sinks + let_go :]), dim=-1)
-        # every key rotated once to its own position, kept between forwards (a DynamicCache's)
-        k_all = self.rotator.keys_at(module, key, KeyMaps(("own",), k_pos, (lambda at: at,), (inv_freq, scale)))[:, :, 0]
-        span = sinks + window
-        offset = kv_len - q_len  # query row r is key index offset + r, at position written - q_len + r
+        span, held, q_pos = sinks + window, kv_len - q_len, frame.q_pos[:1]
         exact = min(q_len, max(0, span - (written - q_len)))  # rows at positions below sinks + window
-        outputs = []
-        if exact:  # the cache lets keys go only once a query is past sinks + window: indices are positions
-            q_own = rotate_prepared(
-                query[:, :, :exact].unsqueeze(2), *self.rotator.frame_factors(trained, False, 0, exact, query.dtype), *pairing
-            )
-            q_own = q_own[:, :, 0]
-            outputs.append(exact_rows(module, q_own, k_all, value, attention_mask, attend, offset, exact, kwargs))
-        if exact < q_len:
-            scaling = kwargs.get("scaling")
-            # the rows past the span at their own positions, and at sinks + window - 1 for the sinks
-            queries = self.rotator.rotate_to(
-                query[:, :, exact:],
-                ("past the span", exact),
-                lambda: (frame.q_pos[:1, exact:], frame.q_pos.new_full((1, q_len - exact), span - 1)),
-                inv_freq,
-                scale,
-            )
-            q_own, q_sinks = queries[:, :, 0], queries[:, :, 1]
-            lo_key = offset + exact - window + 1  # the first window key of row `exact`, past the sinks
-            k_window, v_window = k_all[:, :, lo_key:], value[:, :, lo_key:]
-            if sinks:
-                sink_out, sink_lse = attend_with_lse(q_sinks, k_all[:, :, :sinks], value[:, :, :sinks], scale=scaling)
-            if q_len - exact == 1:  # a decode step sees the whole window: one call
-                parts = [(*attend_with_lse(q_own, k_window, v_window, scale=scaling), None)]
-                blocks = [(0, 1, parts)]
-            else:  # row r sees window keys r .. r + window - 1: key index window - 1 + r is its own
-                blocks = window_parts(q_own, k_window, v_window, window - 1, window, scaling)
-            for lo, hi, parts in blocks:
-                if sinks:
-                    parts.append((sink_out[:, :, lo:hi], sink_lse[:, :, lo:hi], None))
-                outputs.append(merge_by_lse(parts).transpose(1, 2))
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+        # the rows past the span at their own positions and at sinks + window - 1
+        past = [q_pos[:, exact:], q_pos.new_full((1, q_len - exact), span - 1)]
+        if not exact and q_dtype == k_dtype:
+            # the new keys sit at the queries' positions: one computation for both, their own map's once
+            queries = rotator.factors(past, inv_freq, scale, q_dtype)
+            new_keys = tuple(t[:, :, :1] for t in queries)
+        else:
+            queries = rotator.factors(past, inv_freq, scale, q_dtype) if exact < q_len else None
+            new_keys = rotator.factors([k_pos[:, held:]], inv_freq, scale, k_dtype)
+        return SinkStep(
+            exact=exact,
+            exact_queries=rotator.factors([q_pos[:, :exact]], inv_freq, scale, q_dtype) if exact else None,
+            queries=queries,
+            keys=KeyMaps(("own",), k_pos, (lambda at: at,), (inv_freq, scale), new=(held, new_keys)),
+        )
 
 
 @dataclass(frozen=True)

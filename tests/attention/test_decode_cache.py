@@ -211,3 +211,26 @@ def test_the_prepared_rotation_is_apply_rotary_bit_for_bit(layout, head_dim, rot
     written = rope_ext.rotation.rotate_prepared(x, *prepared, layout, channels, out=buffer.narrow(-2, 3, 7))
     assert torch.equal(written, expected) and torch.equal(buffer[:, :, 3:10], expected)
     assert bool((buffer[:, :, :3] == 7).all()) and bool((buffer[:, :, 10:] == 7).all())
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_cos_sin_of_several_position_maps_are_each_maps_own_bit_for_bit(layout, dtype, grouped):
+    """Rotator.factors computes the (cos, sin) of all the position maps a step rotates to in one
+    computation (a decode step's queries and new key at their own and distant positions): each
+    map's bits are those it has computed alone, at integer and fractional positions, with an
+    attention factor, for every count of positions (vectorized kernels take a tail of a row apart)."""
+    rotator = rope_ext.attention.rotator.Rotator.__new__(rope_ext.attention.rotator.Rotator)
+    rotator.layout = layout
+    generator = torch.Generator().manual_seed(0)
+    inv_freq = torch.rand(20, generator=generator)
+    for count in (1, 2, 3, 7, 33):
+        own = torch.arange(5000, 5000 + count)[None]
+        maps = [own, own // 3 + 17, own.float() / 2.7]
+        if grouped:  # the own positions as one group (dpe's), the others one per group
+            maps = [own[..., None]] + [at[..., None] + torch.tensor([0.0, 0.5, 1.0, 1.5]) for at in maps[1:]]
+        together = rotator.factors(maps, inv_freq, 0.9, dtype, grouped)
+        for index, at in enumerate(maps):
+            alone = rotator.factors([at], inv_freq, 0.9, dtype, grouped)
+            assert all(torch.equal(t[:, :, index : index + 1], a) for t, a in zip(together, alone)), (count, index)

@@ -201,6 +201,7 @@ LAYER_FILES = {
     "rerope": (7, 5, 29),
     "dca": (6, 5, 30),
     "dpe": (7, 5, 29),
+    "sink_window": (6, 5, 26),
     "dynamic": (7, 4, 21),
 }
 
