@@ -34,6 +34,7 @@ from rope_ext.defaults import gutenberg_text, load_smollm2
 from rope_ext.evals.output import provenance, write_measurement
 from rope_ext.attention import SCORE_BYTES
 from rope_ext.method.attention_side import TwoPartAttention
+from rope_ext.rotation import rotate_prepared
 
 FACTOR = 4.0
 HEAD_ROWS = 1024  # positions sent through the LM head at a time when comparing logits
@@ -53,7 +54,8 @@ class OneSoftmax(TwoPartAttention):
         inv_freq, scale = frame.angles(trained)
 
         def rotated(x, name, at):
-            return rotator.rotate_to(x, name, lambda: (at,), inv_freq, scale)[:, :, 0]
+            factors = rotator.per_forward((name, x.dtype), lambda: rotator.factors([at], inv_freq, scale, x.dtype))
+            return rotate_prepared(x.unsqueeze(2), *factors, *rotator.pairing)[:, :, 0]
 
         q_own, k_own = rotated(query, "q own", frame.q_pos), rotated(key, "k own", k_pos)
         extended = frame.lengths > trained

@@ -169,24 +169,10 @@ class Rotator:
         positions = self.frame.q_pos
         return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * params["attn_scale"] + 1.0)[:, None, :, None]
 
-    def rotate_to(
-        self, x: torch.Tensor, key, positions: Callable, inv_freq: torch.Tensor, scale: float, grouped: bool = False
-    ) -> torch.Tensor:
-        """x [B, H, S, D] rotated to each of `positions()`, a tuple of P position tensors [B or 1, S]
-        (with `grouped`, [B or 1, S, G]: a position for each group of frequencies, rope_ext.rotation.cos_sin),
-        with the given frequencies: [B, H, P, S, D], one rotation for all P. `key` names the
-        positions and frequencies (the same key, the same ones, in every layer of the forward): their
-        (cos, sin), and the positions themselves, are computed once per forward."""
-        factors = self._factors(("queries", key), positions, inv_freq, scale, x.dtype, grouped)
-        return rotate_prepared(x.unsqueeze(2), *factors, *self.pairing)
-
-    def _factors(self, key, positions: Callable, inv_freq, scale, dtype, grouped=False) -> tuple[torch.Tensor, torch.Tensor]:
-        """`factors` of `positions()`, once per forward and `key`."""
-        return self.per_forward((key, dtype), lambda: self.factors(positions(), inv_freq, scale, dtype, grouped))
-
     def factors(self, positions, inv_freq, scale, dtype, grouped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [B or 1, 1, P, S, D] of each of the P position tensors `positions` (as rotate_to
-        takes them; grouped ones of one group and of G alike), prepared (rope_ext.rotation), in one
+        """(cos, sin) [B or 1, 1, P, S, D] of each of the P position tensors `positions` ([B or 1, S]
+        each; with `grouped`, [B or 1, S, G]: a position for each group of frequencies,
+        rope_ext.rotation.cos_sin; grouped ones of one group and of G alike), prepared (rope_ext.rotation), in one
         computation of them all: each of its operations is elementwise, so that each position
         tensor's bits are those it has alone (tests/attention/test_decode_cache.py), in a few
         operations where one computation per tensor takes a dozen each."""
@@ -240,12 +226,9 @@ class Rotator:
         once per forward."""
         if maps.new is not None and start == maps.new[0] and stop == maps.k_pos.shape[-1]:
             return maps.new[1]
-        return self._factors(
-            ("keys", maps.names, start, stop),
-            lambda: [at(maps.k_pos[:, start:stop]) for at in maps.maps],
-            *maps.angles,
-            dtype,
-            maps.grouped,
+        return self.per_forward(
+            (("keys", maps.names, start, stop), dtype),
+            lambda: self.factors([at(maps.k_pos[:, start:stop]) for at in maps.maps], *maps.angles, dtype, maps.grouped),
         )
 
     def keys_at(self, module, key: torch.Tensor, maps: KeyMaps) -> torch.Tensor:

@@ -12,7 +12,7 @@ import rope_ext
 from rope_ext.attention import AttentionTransform
 from rope_ext.method import rerope
 from rope_ext.method.attention_side import TwoPartAttention
-from rope_ext.rotation import apply_rotary, cos_sin
+from rope_ext.rotation import apply_rotary, cos_sin, rotate_prepared
 
 from helpers import assert_refused_unchanged, rotate, set_chain
 
@@ -181,7 +181,12 @@ def test_rotation_takes_fractional_positions_with_fp32_angles(tiny_model):
     assert positions.dtype == torch.float32 and positions[0, 1] == pytest.approx(1 / 4.5)
     x = torch.randn(1, 2, 300, 32, generator=torch.Generator().manual_seed(0))
     inv_freq, _ = tiny_model.model.rotary_emb.frequencies(TRAINED)
-    ours = attention.rotator.rotate_to(x, "distant keys", lambda: (positions,), inv_freq, 1.0)[:, :, 0]
+    rotator = attention.rotator
+
+    def rotated(x):
+        return rotate_prepared(x.unsqueeze(2), *rotator.factors([positions], inv_freq, 1.0, x.dtype), *rotator.pairing)[:, :, 0]
+
+    ours = rotated(x)
     assert (ours - rotate(x, positions[0], 10000.0, 32)).abs().max() <= 1e-5
     with torch.autocast("cpu", dtype=torch.bfloat16):  # angles stay fp32 under autocast
         cos, sin = cos_sin(inv_freq, 1.0, positions, torch.float32)
@@ -189,7 +194,7 @@ def test_rotation_takes_fractional_positions_with_fp32_angles(tiny_model):
     # bf16 activations: the fp32 rotation, cast
     cos, sin = cos_sin(inv_freq, 1.0, positions, torch.bfloat16)
     assert torch.equal(cos, torch.cos(torch.cat((positions[..., None] * inv_freq,) * 2, -1)).to(torch.bfloat16))
-    ours_bf16 = attention.rotator.rotate_to(x.bfloat16(), "distant keys", lambda: (positions,), inv_freq, 1.0)[:, :, 0]
+    ours_bf16 = rotated(x.bfloat16())
     assert (ours_bf16.float() - ours).abs().max() <= 0.05
 
 
