@@ -29,9 +29,7 @@ RECOMPILE_LIMIT = 512
 def compile_step(model: torch.nn.Module) -> Callable:
     """The model's forward through torch.compile, cache length dynamic."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, RECOMPILE_LIMIT * 16
-    )
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, RECOMPILE_LIMIT * 16)
     return torch.compile(model, dynamic=True)
 
 
