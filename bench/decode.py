@@ -23,8 +23,8 @@ Each variant is warmed up first, at the first length, with WARM_STEPS compiled s
 many eager ones on a second prefill: the compile seconds, the graph breaks and graphs dynamo made
 for it (those new to the process: plain compiles first, and what a method shares with it is not
 counted again) and the compiled logits' largest gap to the eager ones are reported apart, not in
-the ratio, with the graphs compiled while the steps were timed (0 when no step recompiled). A
-variant that fails to compile is listed with the error.
+the ratio, with the frames dynamo traced in the last warm-up step and while the steps were timed
+(0 when no step compiled again). A variant that fails to compile is listed with the error.
 
     python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
@@ -253,7 +253,7 @@ def main() -> None:
             f"\ntorch.compile, {WARM_STEPS} warm-up steps at {args.lengths[0]} tokens (not timed above); frames traced "
             f"while the steps were timed: {results['frames_compiled_while_timed']}"
         )
-        keys = ("compile_s", "graph_breaks", "graphs", "same_tokens")
+        keys = ("compile_s", "graph_breaks", "graphs", "frames_last_step", "same_tokens")
         rows = [[name, *(w[k] for k in keys), f"{w['max_rel_gap']:.1e}"] for name, w in warm.items() if "error" not in w]
         print(markdown_table(["method", *keys, "max_rel_gap"], rows))
     for name, reason in skipped.items():

@@ -34,9 +34,12 @@
     logit, are reported apart. At each length, after the profiled steps, WARM_STEPS untimed
     compiled steps (a frame whose guards hold the cache's identity compiles again for a new cache),
     then --new-tokens timed ones: their median, its ratio to plain's, and the frames dynamo traced
-    while they were timed. Compilation counts toward --budget-s: a variant whose compile would
-    take longer than what is left (predicted by the longest compile so far) decodes eagerly only,
-    and says so; one that fails to compile states the error. The dry run compiles only
+    while they were timed. Compilation counts toward --budget-s, and all of it together is held
+    to --compile-budget-s, so that it leaves the prefills their time: a variant whose compile
+    would take longer than what is left of either (predicted by the longest compile so far)
+    decodes eagerly only, and says so; so does one that compiles again at every step (frames
+    traced in its last warm-up step: each timed step would pay a compilation), and one that fails
+    to compile states the error. The dry run compiles only
     DRY_RUN_COMPILED (a method whose patch breaks the graph takes a minute or more to compile on
     the CPU), and says so for the others.
 (f) The targets of issue #53 (TARGETS), checked on the runs: dynamic's prefill, the two-part
@@ -328,20 +331,24 @@ class Budget:
     """What is left of (b)'s seconds, and each variant's last prefill (length, seconds) to predict
     the next one from."""
 
-    def __init__(self, seconds: float, window: int):
+    def __init__(self, seconds: float, compile_seconds: float, window: int):
         self.end = time.perf_counter() + seconds
+        self.compile_end = min(self.end, time.perf_counter() + compile_seconds)
         self.window = window
         self.last: dict[str, tuple[int, float]] = {}
         self.compiled: dict[str, dict] = {}  # each variant's compile warm-up (rope_ext.evals.compiled.warm_up)
 
     def compile_refusal(self) -> str | None:
-        """Why compiling a variant would not fit, or None: it is predicted to take as long as the
-        longest compile so far."""
+        """Why compiling a variant would not fit what is left of the budget and of the compile
+        budget, or None: it is predicted to take as long as the longest compile so far."""
         longest = max((c.get("compile_s", 0.0) for c in self.compiled.values()), default=0.0)
-        left = self.end - time.perf_counter()
+        left = self.compile_end - time.perf_counter()
         if left > longest:
             return None
-        return f"compiling predicted to take {longest:.0f} s (the longest so far); {max(left, 0):.0f} s of the budget left"
+        return (
+            f"compiling predicted to take {longest:.0f} s (the longest so far); {max(left, 0):.0f} s of the budget and "
+            "the compile budget left"
+        )
 
     def refusal(self, label: str, length: int) -> str | None:
         """Why a prefill of `length` would not fit, or None. The prediction scales the last prefill
@@ -378,21 +385,27 @@ def measure(model, label: str, ids, warm, new_tokens: int, device, budget: Budge
             refusal = budget.compile_refusal()
             budget.compiled[label] = {"skipped": refusal} if refusal else warm_up(model, step, warm, new_cache, WARM_STEPS)
     compiled = budget.compiled[label]
-    run = timed_run(model, ids, new_tokens, device, step if "compile_s" in compiled else None)
+    if compiled.get("frames_last_step"):
+        compiled.setdefault(
+            "skipped", f"compiles again at every step ({compiled['frames_last_step']} frames in the last warm-up step)"
+        )
+    run = timed_run(model, ids, new_tokens, device, step if "compile_s" in compiled and "skipped" not in compiled else None)
     budget.last[label] = (ids.shape[1], run["prefill_s"])
     return {**run, "compiled": compiled}
 
 
-def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int, seconds: float, write, compiled=None) -> list:
+def speed(
+    device: torch.device, shape: dict, lengths: list[int], new_tokens: int, seconds: tuple[float, float], write, compiled=None
+) -> list:
     """(b) to (e): one record per (variant, length), plain first and last at each length (PLAIN_AGAIN),
-    each with its ratios to plain's faster run; `write(runs)` after each. Each variant's decode is
-    compiled too, or only those `compiled` names."""
+    each with its ratios to plain's faster run; `write(runs)` after each; `seconds`: the budget and
+    the compile budget. Each variant's decode is compiled too, or only those `compiled` names."""
     window = shape["max_position_embeddings"]
     factor = max(lengths) / window
     model = random_llama(shape, device=device).to(torch.bfloat16)
     ids = torch.randint(shape["vocab_size"], (1, max(lengths)), generator=torch.Generator().manual_seed(2)).to(device)
     warm = ids[:, : window + min(window, 1024)]
-    budget, runs, step = Budget(seconds, window), [], compile_step(model)
+    budget, runs, step = Budget(*seconds, window), [], compile_step(model)
     for length in lengths:
         at_length = []
         for label, name, params in tqdm(parse_specs(SPEED, []) + [(PLAIN_AGAIN, PLAIN, {})], desc=f"(b) {length} tokens"):
@@ -593,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16, help="decode steps after each prefill")
     parser.add_argument("--factor", type=float, default=4.0, help="the factor of (a)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="seconds (b) may take")
+    parser.add_argument(
+        "--compile-budget-s", type=float, default=120.0, help="seconds of --budget-s that compiling the decode steps may take"
+    )
     parser.add_argument("--commit", help="the git commit of the files run (a copy of a checkout may hold another's .git)")
     parser.add_argument("--skip-speed", action="store_true", help="(a) only")
     args = parser.parse_args(argv)
@@ -626,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_speed:
         results["speed_model"] = {"shape": big, "window": big["max_position_embeddings"], "dtype": "bfloat16"}
         compiled = DRY_RUN_COMPILED if args.dry_run else None
-        write(speed(device, big, lengths, args.new_tokens, args.budget_s, write, compiled))
+        write(speed(device, big, lengths, args.new_tokens, (args.budget_s, args.compile_budget_s), write, compiled))
         results["targets"] = targets(results["speed"])
         write()
         print(tables({"speed": results["speed"], "targets": results["targets"]}))

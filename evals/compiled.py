@@ -61,7 +61,8 @@ def warm_up(model: torch.nn.Module, step: Callable, ids: torch.Tensor, new_cache
     cache (`new_cache(model)`), beside as many eager steps on a second one: the seconds they took
     (compilation, mostly), the graph breaks and graphs dynamo made (those new to the process: a
     graph an earlier variant compiled is not counted again), the largest |compiled - eager| logit
-    over the largest |eager| one, and whether every greedy token agreed. A step that fails to
+    over the largest |eager| one, whether every greedy token agreed, and the frames dynamo traced
+    in the last step (more than 0: the step compiles again at every step). A step that fails to
     compile gives {"error": why}."""
     states = []
     for _ in range(2):
@@ -71,7 +72,7 @@ def warm_up(model: torch.nn.Module, step: Callable, ids: torch.Tensor, new_cache
     breaks, graphs, gap, agree, seconds = graph_breaks(), compiled_graphs(), 0.0, True, 0.0
     for _ in range(steps):
         eager, eager_token = greedy(model, eager_token, eager_cache)
-        begin = time.perf_counter()
+        frames, begin = compiled_frames(), time.perf_counter()
         try:
             compiled, compiled_token = greedy(step, compiled_token, compiled_cache)
         except Exception as error:  # dynamo and inductor raise many types; the benchmark goes on without the step
@@ -85,4 +86,5 @@ def warm_up(model: torch.nn.Module, step: Callable, ids: torch.Tensor, new_cache
         "graphs": compiled_graphs() - graphs,
         "max_rel_gap": gap,
         "same_tokens": agree,
+        "frames_last_step": compiled_frames() - frames,
     }
