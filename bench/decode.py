@@ -46,14 +46,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import rope_ext
 from rope_ext.defaults import gutenberg_text, resolve_checkpoint
 from rope_ext.evals.compare import parse_specs
-from rope_ext.evals.compiled import compile_step, compiled_frames, warm_up
+from rope_ext.evals.compiled import WARM_STEPS, compile_step, compiled_frames, warm_up
 from rope_ext.evals.output import markdown_table, provenance, write_measurement
 from rope_ext.training import tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLAIN = "plain"
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
-WARM_STEPS = 3  # compiled steps before the timing: dynamo's first, then two to see the cache length dynamic
 
 
 def timed(forward) -> tuple[dict, object]:

@@ -79,7 +79,7 @@ import rope_ext
 from rope_ext.attention import parts
 from rope_ext.chunked import new_cache
 from rope_ext.evals.compare import parse_specs
-from rope_ext.evals.compiled import compile_step, compiled_frames, greedy, warm_up
+from rope_ext.evals.compiled import WARM_STEPS, compile_step, compiled_frames, greedy, warm_up
 from rope_ext.evals.output import checkout_state, markdown_table, source_root
 from rope_ext.method import REGISTRY
 
@@ -129,8 +129,6 @@ TOLERANCES = {"fp32_of_largest_logit": 1e-4, "bf16_over_cpu_bf16": 3.0}
 SPEED = ["plain", "yarn", "dynamic", "self_extend", "rerope", "string", "dpe", "dca", "sink_window"]
 DECODE_CHECK_STEPS = 4
 KERNEL_STEPS = 2
-# compiled steps before any is timed: dynamo's first, then two with the cache length dynamic
-WARM_STEPS = 3
 # what the dry run compiles: plain and a static method, whose steps compile to one graph in seconds
 DRY_RUN_COMPILED = (PLAIN, PLAIN_AGAIN, "yarn")
 TWO_PART = ("self_extend", "rerope", "string", "dpe", "dca")

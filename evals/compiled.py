@@ -24,6 +24,8 @@ from torch._dynamo.utils import counters
 # every variant of a benchmark compiles the same transformers code objects, each with its own
 # guards, and dynamo falls back to eager past its recompile limit (8 by default) without a word
 RECOMPILE_LIMIT = 512
+# compiled steps before a benchmark times any: dynamo's first, then two with the cache length dynamic
+WARM_STEPS = 3
 
 
 def compile_step(model: torch.nn.Module) -> Callable:
