@@ -16,9 +16,20 @@ Every variant's cache is held through the decode, so memory grows with the varia
 keys and values at 32k in bf16 are 0.75 GB, and a method that rotates inside attention keeps one
 or two rotated copies of the keys beside them (pick a few --methods at 32k on 24 GB).
 
+With --compile, every variant's decode steps run through torch.compile (rope_ext.evals.compiled:
+the forward compiled whole, cache length dynamic, graph breaks allowed; the prefill stays eager),
+so that the decode ratio says what a method costs once Python and op dispatch leave the step.
+Each variant is warmed up first, at the first length, with WARM_STEPS compiled steps beside as
+many eager ones on a second prefill: the compile seconds, the graph breaks and graphs dynamo made
+for it (those new to the process: plain compiles first, and what a method shares with it is not
+counted again) and the compiled logits' largest gap to the eager ones are reported apart, not in
+the ratio, with the frames dynamo traced in the last warm-up step and while the steps were timed
+(0 when no step compiled again). A variant that fails to compile is listed with the error.
+
     python bench/decode.py --lengths 512 1024 --threads 1       # the tiny trained model, minutes
     python bench/decode.py --model smollm2 --dtype bfloat16     # 4k, 12k and 32k: hours on 2 cores
     python bench/decode.py --layers 2 --lengths 2048 --new-tokens 64 --threads 1 --methods self_extend sink_window yarn
+    python bench/decode.py --layers 2 --lengths 2048 --new-tokens 64 --threads 1 --methods self_extend sink_window yarn --compile
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 import rope_ext
 from rope_ext.defaults import gutenberg_text, resolve_checkpoint
 from rope_ext.evals.compare import parse_specs
+from rope_ext.evals.compiled import WARM_STEPS, compile_step, compiled_frames, warm_up
 from rope_ext.evals.output import markdown_table, provenance, write_measurement
 from rope_ext.training import tiny
 
@@ -59,16 +71,20 @@ def prefill(model, ids: torch.Tensor) -> tuple[dict, tuple]:
 
 
 @torch.inference_mode()
-def step(model, state: tuple) -> tuple[dict, tuple]:
-    """(seconds, the next state): one greedy decode step on the state's cache."""
+def step(forward, state: tuple) -> tuple[dict, tuple]:
+    """(seconds, the next state): one greedy decode step of `forward` (a model, or its compiled
+    forward) on the state's cache."""
     cache, token = state
-    seconds, out = timed(lambda: model(token, cache=cache, use_cache=True, logits_to_keep=1))
+    seconds, out = timed(lambda: forward(token, cache=cache, use_cache=True, logits_to_keep=1))
     return seconds, (cache, out.logits[:, -1:].argmax(-1))
 
 
-def measure(models: dict, ids: torch.Tensor, repeats: int, new_tokens: int, desc: str) -> dict:
-    """{name: {"prefill": [seconds of each repeat], "decode": [seconds of each step]}}, the variants
-    interleaved in every repeat and every step."""
+def measure(
+    models: dict, ids: torch.Tensor, repeats: int, new_tokens: int, desc: str, steps: dict, untimed: int
+) -> tuple[dict, int]:
+    """({name: {"prefill": [seconds of each repeat], "decode": [seconds of each step]}}, the frames
+    dynamo traced while the steps were timed), the variants interleaved in every repeat and every
+    step; each decode step through `steps[name]`, the first `untimed` of them not timed."""
     runs = {name: {"prefill": [], "decode": []} for name in models}
     states = {}
     for _ in tqdm(range(repeats), desc=f"{desc}: prefill"):
@@ -76,12 +92,16 @@ def measure(models: dict, ids: torch.Tensor, repeats: int, new_tokens: int, desc
             seconds, states[name] = prefill(model, ids)
             runs[name]["prefill"].append(seconds)
     names = list(models)
+    for name in names:
+        for _ in range(untimed):
+            states[name] = step(steps[name], states[name])[1]
+    frames = compiled_frames()
     for index in tqdm(range(new_tokens), desc=f"{desc}: decode"):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            seconds, states[name] = step(models[name], states[name])
+            seconds, states[name] = step(steps[name], states[name])
             runs[name]["decode"].append(seconds)
-    return runs
+    return runs, compiled_frames() - frames
 
 
 def summary(runs: dict) -> dict:
@@ -124,6 +144,21 @@ def variants(model, factor: float, specs: list[tuple[str, str, dict]]) -> tuple[
     return built, skipped
 
 
+def compiled_steps(models: dict, ids: torch.Tensor, skipped: dict) -> tuple[dict, dict]:
+    """({label: compiled forward}, {label: its warm-up (rope_ext.evals.compiled.warm_up)}), plain
+    first; a variant that fails to compile is dropped from `models` into `skipped` with the error."""
+    steps, warm = {}, {}
+    for name in tqdm(list(models), desc="compile"):
+        forward = compile_step(models[name])
+        warm[name] = warm_up(models[name], forward, ids, lambda model: DynamicCache(config=model.config), WARM_STEPS)
+        if "error" in warm[name]:
+            skipped[name] = f"torch.compile: {warm[name]['error']}"
+            del models[name]
+        else:
+            steps[name] = forward
+    return steps, warm
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help='"tiny" (the tiny trained model), "smollm2", or a checkpoint path')
@@ -148,6 +183,11 @@ def main() -> None:
         type=int,
         help="torch threads (default: torch's); on a shared machine 1 keeps spinning threads out of CPU time",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through torch.compile (each variant warmed up first, its compile time reported apart)",
+    )
     parser.add_argument("--out", type=Path, default=Path(f"rope-ext-results/bench-decode-{time.strftime('%Y%m%d-%H%M%S')}.json"))
     args = parser.parse_args()
     if args.new_tokens < 1 or args.repeats < 1 or (args.layers is not None and args.layers < 1):
@@ -169,6 +209,9 @@ def main() -> None:
     stream = tokenizer(gutenberg_text(), return_tensors="pt").input_ids
     stream = stream.repeat(1, -(-max(args.lengths) // stream.shape[1]))  # the text again if it is short
     models, skipped = variants(model, args.factor, specs)
+    steps, warm = compiled_steps(models, stream[:, : args.lengths[0]], skipped) if args.compile else (dict(models), {})
+    if PLAIN not in models:
+        raise SystemExit(f"plain: {skipped[PLAIN]}")
     results: dict = {
         "model": args.model,
         "window": model.config.max_position_embeddings,
@@ -177,11 +220,15 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "skipped": skipped,
+        "compiled": warm,
         "lengths": {},
+        "frames_compiled_while_timed": {},
         "provenance": provenance(model, None if args.model == "smollm2" else given),
     }
     for length in args.lengths:
-        runs = measure(models, stream[:, :length], args.repeats, args.new_tokens, f"{length} tokens")
+        untimed = WARM_STEPS if args.compile else 0
+        runs, frames = measure(models, stream[:, :length], args.repeats, args.new_tokens, f"{length} tokens", steps, untimed)
+        results["frames_compiled_while_timed"][length] = frames
         results["lengths"][length] = summary(runs)
 
     print(
@@ -200,6 +247,14 @@ def main() -> None:
             row += [r["prefill_ratio_cpu"], r["decode_ratio_cpu"], r["prefill_ratio_wall"], r["decode_ratio_wall"]]
         rows.append(row)
     print(markdown_table(header, rows))
+    if warm:
+        print(
+            f"\ntorch.compile, {WARM_STEPS} warm-up steps at {args.lengths[0]} tokens (not timed above); frames traced "
+            f"while the steps were timed: {results['frames_compiled_while_timed']}"
+        )
+        keys = ("compile_s", "graph_breaks", "graphs", "frames_last_step", "same_tokens")
+        rows = [[name, *(w[k] for k in keys), f"{w['max_rel_gap']:.1e}"] for name, w in warm.items() if "error" not in w]
+        print(markdown_table(["method", *keys, "max_rel_gap"], rows))
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}")
     write_measurement(args.out, results)

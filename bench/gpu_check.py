@@ -24,12 +24,28 @@
 (d) Decode kernels: at batch 1 a decode step is bound by the host (Python and launches), so its
     wall time says little about attention. After the timed steps, KERNEL_STEPS more steps run under
     torch.profiler, and the device time of every kernel they launch is summed (on the CPU of the
-    dry run, the ops' own CPU time): the step as the kernels cost it, without the host. A CUDA
-    graph or a compiled step cannot stand in here, since the DynamicCache grows at every step and
-    the patches keep Python state per forward.
-(e) The targets of issue #53 (TARGETS), checked on the runs: dynamic's prefill, the two-part
+    dry run, the ops' own CPU time): the step as the kernels cost it, without the host.
+(e) Compiled decode: the same steps through torch.compile (rope_ext.evals.compiled: the model's
+    forward compiled whole, inductor, the cache length dynamic, graph breaks allowed; a CUDA graph
+    cannot hold a DynamicCache that grows at every step). Each variant is compiled once, at its
+    warm-up, with WARM_STEPS compiled steps beside as many eager ones on a second prefill: the
+    compile seconds, the graph breaks and graphs dynamo made for it (new to the process: plain
+    compiles first), and the compiled logits' largest gap to the eager ones, over the largest eager
+    logit, are reported apart. At each length, after the profiled steps, WARM_STEPS untimed
+    compiled steps (a frame whose guards hold the cache's identity compiles again for a new cache),
+    then --new-tokens timed ones: their median, its ratio to plain's, and the frames dynamo traced
+    while they were timed. Compilation counts toward --budget-s, and all of it together is held
+    to --compile-budget-s, so that it leaves the prefills their time: a variant whose compile
+    would take longer than what is left of either (predicted by the longest compile so far)
+    decodes eagerly only, and says so; so does one that compiles again at every step (frames
+    traced in its last warm-up step: each timed step would pay a compilation), and one that fails
+    to compile states the error. The dry run compiles only
+    DRY_RUN_COMPILED (a method whose patch breaks the graph takes a minute or more to compile on
+    the CPU), and says so for the others.
+(f) The targets of issue #53 (TARGETS), checked on the runs: dynamic's prefill, the two-part
     methods' prefill and peak, sink_window's prefill and KV cache at the longest length, each
-    method's decode kernels against plain's.
+    method's decode kernels against plain's, and each method's compiled decode against plain's at
+    the longest length.
 
 The results go to --out as JSON (written after every run, so that a check stopped early keeps what
 it measured) with their provenance, and as tables on stdout. --dry-run runs everything on the CPU
@@ -63,6 +79,7 @@ import rope_ext
 from rope_ext.attention import parts
 from rope_ext.chunked import new_cache
 from rope_ext.evals.compare import parse_specs
+from rope_ext.evals.compiled import WARM_STEPS, compile_step, compiled_frames, greedy, warm_up
 from rope_ext.evals.output import checkout_state, markdown_table, source_root
 from rope_ext.method import REGISTRY
 
@@ -112,10 +129,13 @@ TOLERANCES = {"fp32_of_largest_logit": 1e-4, "bf16_over_cpu_bf16": 3.0}
 SPEED = ["plain", "yarn", "dynamic", "self_extend", "rerope", "string", "dpe", "dca", "sink_window"]
 DECODE_CHECK_STEPS = 4
 KERNEL_STEPS = 2
+# what the dry run compiles: plain and a static method, whose steps compile to one graph in seconds
+DRY_RUN_COMPILED = (PLAIN, PLAIN_AGAIN, "yarn")
 TWO_PART = ("self_extend", "rerope", "string", "dpe", "dca")
 # issue #53's targets, each (what, variants, measure, bound, at): `measure` of each variant at most
 # `bound` (prefill and peak against plain's; the KV cache against its bound; decode kernel time
-# against plain's, so 1 / 0.9 is 0.9x plain's tokens per second), at the longest length or at every one
+# against plain's and compiled decode time against compiled plain's, so 1 / 0.9 is 0.9x plain's tokens
+# per second), at the longest length or at every one
 TARGETS = [
     ("dynamic prefill", ("dynamic",), "prefill_vs_plain", 1.5, "every"),
     ("two-part prefill", TWO_PART, "prefill_vs_plain", 1.25, "longest"),
@@ -123,6 +143,7 @@ TARGETS = [
     ("sink_window prefill", ("sink_window",), "prefill_vs_plain", 1.0, "longest"),
     ("sink_window KV cache", ("sink_window",), "kv_vs_bound", 1.0, "longest"),
     ("decode kernels", tuple(v for v in SPEED if v != PLAIN), "decode_kernel_vs_plain", 1 / 0.9, "every"),
+    ("decode compiled", tuple(v for v in SPEED if v != PLAIN), "decode_compiled_vs_plain", 1 / 0.9, "longest"),
 ]
 
 
@@ -255,12 +276,26 @@ def kernel_ms(model, token, cache, steps: int, device: torch.device) -> tuple[fl
     return sum(getattr(event, field) for event in prof.key_averages()) / 1e3 / steps, token
 
 
+def compiled_ms(step, token, cache, steps: int, device: torch.device) -> dict:
+    """WARM_STEPS untimed greedy steps of the compiled `step`, then `steps` timed ones: their median
+    milliseconds and the frames dynamo traced while they ran."""
+    for _ in range(WARM_STEPS):
+        token = greedy(step, token, cache)[1]
+    frames, times = compiled_frames(), []
+    for _ in range(steps):
+        begin = time.perf_counter()
+        token = greedy(step, token, cache)[1]
+        synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return {"decode_compiled_ms": 1e3 * statistics.median(times), "frames_compiled_while_timed": compiled_frames() - frames}
+
+
 @torch.inference_mode()
-def timed_run(model, ids, new_tokens: int, device: torch.device) -> dict:
+def timed_run(model, ids, new_tokens: int, device: torch.device, step=None) -> dict:
     """One prefill of `ids` with a fresh KV cache (the patch's, rope_ext.chunked.new_cache), then
     `new_tokens` greedy steps and KERNEL_STEPS profiled ones: seconds, decode milliseconds per token
     (median step) and the kernels' milliseconds per step, peak GiB of the CUDA allocator, GiB of the
-    KV cache after the prefill."""
+    KV cache after the prefill; with a compiled `step`, its steps after those (compiled_ms)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -278,8 +313,10 @@ def timed_run(model, ids, new_tokens: int, device: torch.device) -> dict:
         synchronize(device)
         steps.append(time.perf_counter() - begin)
     kernels, token = kernel_ms(model, token, cache, KERNEL_STEPS, device)
+    compiled = {} if step is None else compiled_ms(step, token, cache, new_tokens, device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
+        **compiled,
         "prefill_s": prefill,
         "decode_ms": 1e3 * statistics.median(steps),
         "decode_kernel_ms": kernels,
@@ -292,10 +329,24 @@ class Budget:
     """What is left of (b)'s seconds, and each variant's last prefill (length, seconds) to predict
     the next one from."""
 
-    def __init__(self, seconds: float, window: int):
+    def __init__(self, seconds: float, compile_seconds: float, window: int):
         self.end = time.perf_counter() + seconds
+        self.compile_end = min(self.end, time.perf_counter() + compile_seconds)
         self.window = window
         self.last: dict[str, tuple[int, float]] = {}
+        self.compiled: dict[str, dict] = {}  # each variant's compile warm-up (rope_ext.evals.compiled.warm_up)
+
+    def compile_refusal(self) -> str | None:
+        """Why compiling a variant would not fit what is left of the budget and of the compile
+        budget, or None: it is predicted to take as long as the longest compile so far."""
+        longest = max((c.get("compile_s", 0.0) for c in self.compiled.values()), default=0.0)
+        left = self.compile_end - time.perf_counter()
+        if left > longest:
+            return None
+        return (
+            f"compiling predicted to take {longest:.0f} s (the longest so far); {max(left, 0):.0f} s of the budget and "
+            "the compile budget left"
+        )
 
     def refusal(self, label: str, length: int) -> str | None:
         """Why a prefill of `length` would not fit, or None. The prediction scales the last prefill
@@ -314,27 +365,45 @@ class Budget:
         )
 
 
-def measure(model, label: str, ids, warm, new_tokens: int, device, budget: Budget) -> dict:
-    """One variant at one length, warmed up first where it has not run yet."""
-    if label not in budget.last:
+def measure(model, label: str, ids, warm, new_tokens: int, device, budget: Budget, step) -> dict:
+    """One variant at one length, warmed up first where it has not run yet, and its decode step
+    compiled then (`step`, the model's compiled forward; None: not compiled in the dry run)."""
+    first = label not in budget.last
+    if first:
         budget.last[label] = (warm.shape[1], timed_run(model, warm, 1, device)["prefill_s"])
     reason = budget.refusal(label, ids.shape[1])
     if reason:
         return {"skipped": reason}
-    run = timed_run(model, ids, new_tokens, device)
+    if first:
+        if step is None:
+            budget.compiled[label] = {
+                "skipped": "not compiled in the dry run (a patch that breaks the graph takes minutes to compile on the CPU)"
+            }
+        else:
+            refusal = budget.compile_refusal()
+            budget.compiled[label] = {"skipped": refusal} if refusal else warm_up(model, step, warm, new_cache, WARM_STEPS)
+    compiled = budget.compiled[label]
+    if compiled.get("frames_last_step"):
+        compiled.setdefault(
+            "skipped", f"compiles again at every step ({compiled['frames_last_step']} frames in the last warm-up step)"
+        )
+    run = timed_run(model, ids, new_tokens, device, step if "compile_s" in compiled and "skipped" not in compiled else None)
     budget.last[label] = (ids.shape[1], run["prefill_s"])
-    return run
+    return {**run, "compiled": compiled}
 
 
-def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int, seconds: float, write) -> list:
-    """(b) and (c): one record per (variant, length), plain first and last at each length (PLAIN_AGAIN),
-    each with its ratios to plain's faster run; `write(runs)` after each."""
+def speed(
+    device: torch.device, shape: dict, lengths: list[int], new_tokens: int, seconds: tuple[float, float], write, compiled=None
+) -> list:
+    """(b) to (e): one record per (variant, length), plain first and last at each length (PLAIN_AGAIN),
+    each with its ratios to plain's faster run; `write(runs)` after each; `seconds`: the budget and
+    the compile budget. Each variant's decode is compiled too, or only those `compiled` names."""
     window = shape["max_position_embeddings"]
     factor = max(lengths) / window
     model = random_llama(shape, device=device).to(torch.bfloat16)
     ids = torch.randint(shape["vocab_size"], (1, max(lengths)), generator=torch.Generator().manual_seed(2)).to(device)
     warm = ids[:, : window + min(window, 1024)]
-    budget, runs = Budget(seconds, window), []
+    budget, runs, step = Budget(*seconds, window), [], compile_step(model)
     for length in lengths:
         at_length = []
         for label, name, params in tqdm(parse_specs(SPEED, []) + [(PLAIN_AGAIN, PLAIN, {})], desc=f"(b) {length} tokens"):
@@ -347,8 +416,9 @@ def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int
                     record["params"] = rope_ext.patch(model, name, factor=factor, **params).params
                     if name == "sink_window":
                         record["kv_bound_gib"] = kv_bound(model, record["params"])
+                chosen = step if compiled is None or label in compiled else None
                 try:
-                    record.update(measure(model, label, ids[:, :length], warm, new_tokens, device, budget))
+                    record.update(measure(model, label, ids[:, :length], warm, new_tokens, device, budget, chosen))
                 except RuntimeError as error:  # a kernel's refusal or the GPU's memory: the other runs still count
                     record["error"] = f"{type(error).__name__}: {error}"
                     budget.last.pop(label, None)
@@ -361,8 +431,9 @@ def speed(device: torch.device, shape: dict, lengths: list[int], new_tokens: int
         plain = [r for r in at_length if r["variant"] in (PLAIN, PLAIN_AGAIN) and "prefill_s" in r]
         if plain:
             for record in at_length:
-                for key in ("prefill_s", "decode_ms", "decode_kernel_ms", "peak_gib", "kv_gib"):
-                    fastest = min(r[key] for r in plain) if plain[0][key] is not None else None
+                for key in ("prefill_s", "decode_ms", "decode_kernel_ms", "decode_compiled_ms", "peak_gib", "kv_gib"):
+                    measured = [r[key] for r in plain if r.get(key) is not None]
+                    fastest = min(measured) if measured else None
                     if record.get(key) is not None and fastest:
                         record[f"{key.rsplit('_', 1)[0]}_vs_plain"] = record[key] / fastest
         for record in at_length:
@@ -465,6 +536,8 @@ def tables(results: dict) -> str:
                     "x plain",
                     "decode kernels ms",
                     "x plain",
+                    "decode compiled ms",
+                    "x plain",
                     "peak GiB",
                     "x plain",
                     "KV GiB",
@@ -481,6 +554,8 @@ def tables(results: dict) -> str:
                             "decode_vs_plain",
                             "decode_kernel_ms",
                             "decode_kernel_vs_plain",
+                            "decode_compiled_ms",
+                            "decode_compiled_vs_plain",
                             "peak_gib",
                             "peak_vs_plain",
                             "kv_gib",
@@ -488,6 +563,18 @@ def tables(results: dict) -> str:
                     ]
                     + [r.get("skipped", r.get("error", ""))]
                     for r in runs
+                ],
+            )
+        )
+    compiles = {r["variant"]: r["compiled"] for r in runs if "compiled" in r}
+    if compiles:
+        keys = ("compile_s", "graph_breaks", "graphs", "max_rel_gap", "same_tokens")
+        lines.append(
+            markdown_table(
+                ["variant", "compile s", "graph breaks", "graphs", "compiled max|d| / max|logit|", "same tokens", "not compiled"],
+                [
+                    [variant] + [cell(c.get(key)) for key in keys] + [c.get("skipped", c.get("error", ""))]
+                    for variant, c in compiles.items()
                 ],
             )
         )
@@ -517,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16, help="decode steps after each prefill")
     parser.add_argument("--factor", type=float, default=4.0, help="the factor of (a)")
     parser.add_argument("--budget-s", type=float, default=330.0, help="seconds (b) may take")
+    parser.add_argument(
+        "--compile-budget-s", type=float, default=120.0, help="seconds of --budget-s that compiling the decode steps may take"
+    )
     parser.add_argument("--commit", help="the git commit of the files run (a copy of a checkout may hold another's .git)")
     parser.add_argument("--skip-speed", action="store_true", help="(a) only")
     args = parser.parse_args(argv)
@@ -549,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(results), flush=True)
     if not args.skip_speed:
         results["speed_model"] = {"shape": big, "window": big["max_position_embeddings"], "dtype": "bfloat16"}
-        write(speed(device, big, lengths, args.new_tokens, args.budget_s, write))
+        compiled = DRY_RUN_COMPILED if args.dry_run else None
+        write(speed(device, big, lengths, args.new_tokens, (args.budget_s, args.compile_budget_s), write, compiled))
         results["targets"] = targets(results["speed"])
         write()
         print(tables({"speed": results["speed"], "targets": results["targets"]}))

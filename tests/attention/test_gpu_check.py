@@ -62,6 +62,23 @@ def test_every_variant_is_timed_against_plain_at_every_length(gpu_check, dry_run
             assert run[ratio] == pytest.approx(run[key] / min(r[key] for r in plain))
 
 
+def test_the_dry_run_decodes_plain_and_yarn_compiled_exactly_and_says_why_not_the_others(gpu_check, dry_run):
+    """(e): the variants the dry run compiles decode through torch.compile, warmed up first (no frame
+    traced while timed), their greedy tokens those of eager decode and their logits within bf16's
+    rounding of eager's; each other variant says why it decoded eagerly only."""
+    for run in dry_run[1]["speed"]:
+        compiled = run["compiled"]
+        if run["variant"] in gpu_check.DRY_RUN_COMPILED:
+            assert compiled["same_tokens"] and compiled["max_rel_gap"] < 2**-6, run
+            assert compiled["graph_breaks"] == 0 and run["frames_compiled_while_timed"] == 0
+            plain = [r for r in dry_run[1]["speed"] if r["length"] == run["length"] and r["variant"].startswith("plain")]
+            assert run["decode_compiled_vs_plain"] == pytest.approx(
+                run["decode_compiled_ms"] / min(r["decode_compiled_ms"] for r in plain)
+            )
+        else:
+            assert compiled["skipped"].startswith("not compiled in the dry run") and "decode_compiled_ms" not in run
+
+
 def test_dynamic_runs_at_its_default_granularity(dry_run):
     window = dry_run[1]["speed_model"]["window"]
     for run in (r for r in dry_run[1]["speed"] if r["variant"] == "dynamic"):
@@ -79,11 +96,13 @@ def test_sink_window_runs_with_its_bounded_cache(dry_run):
 
 def test_the_issue_targets_are_checked_on_the_runs(gpu_check, dry_run):
     """Every target of TARGETS has a check per variant, with what was measured; the peak of the
-    CUDA allocator is not measured on the CPU, and says so."""
+    CUDA allocator is not measured on the CPU, nor the compiled decode of what the dry run does not
+    compile, and each says so."""
     checks = dry_run[1]["targets"]
     assert [(c["target"], c["variant"]) for c in checks] == [(t[0], v) for t in gpu_check.TARGETS for v in t[1]]
     for check in checks:
-        if check["measure"] == "peak_vs_plain":
+        dry_run_skips = check["measure"] == "decode_compiled_vs_plain" and check["variant"] not in gpu_check.DRY_RUN_COMPILED
+        if check["measure"] == "peak_vs_plain" or dry_run_skips:
             assert check["values"] == {} and check["met"] is None
         else:
             assert check["values"] and check["met"] == all(v <= check["bound"] for v in check["values"].values())
