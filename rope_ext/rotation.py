@@ -13,29 +13,34 @@ from typing import Callable
 import torch
 
 
-def cos_sin(inv_freq: torch.Tensor, scale, positions: torch.Tensor, dtype: torch.dtype, grouped: bool = False):
+def cos_sin(
+    inv_freq: torch.Tensor, scale, positions: torch.Tensor, dtype: torch.dtype, grouped: bool = False, per_position: bool = False
+):
     """(cos, sin) of shape [..., S, D] laid out cat(freqs, freqs), as transformers' rotary modules
     return them; angles and the attention factor in fp32, then cast to the activations' dtype.
 
     `positions` [..., S]; with `grouped`, [..., S, G]: the D/2 frequencies in G equal groups of
     consecutive ones (the first the fastest), each group at its own position (dpe's dimension
     groups). A group of one [..., S, 1] gives the bits of [..., S] ungrouped. `inv_freq` [M, D/2]
-    with `scale` [M] (fp32) gives M scalings at once, [..., M, S, D], one computation for all."""
+    with `scale` [M] (fp32) gives M scalings at once, [..., M, S, D], one computation for all; with
+    `per_position`, `inv_freq` [S, D/2] and `scale` [S, 1] give each position its own, [..., S, D]."""
     if torch.is_autocast_enabled(positions.device.type):
         with torch.autocast(device_type=positions.device.type, enabled=False):
-            return cos_sin(inv_freq, scale, positions, dtype, grouped)
+            return cos_sin(inv_freq, scale, positions, dtype, grouped, per_position)
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float)
     at = positions.float() if grouped else positions[..., None].float()
     if at.shape[-1] > 1:
         at = at.repeat_interleave(inv_freq.shape[-1] // at.shape[-1], dim=-1)
-    if inv_freq.dim() == 2:
+    if inv_freq.dim() == 2 and not per_position:
         at, inv_freq, scale = at.unsqueeze(-3), inv_freq[:, None], scale.to(positions.device)[:, None, None]
     freqs = at * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin()
+    # each operation is elementwise, so that cos and sin of the D/2 angles, laid out twice after,
+    # have the bits of cos and sin of the D laid out first (transformers' order), at half the work
+    cos, sin = freqs.cos(), freqs.sin()
     if not (isinstance(scale, (int, float)) and scale == 1):  # x * 1 is x: a decode step's few angles skip two operations
         cos, sin = cos * scale, sin * scale
-    return cos.to(dtype=dtype), sin.to(dtype=dtype)
+    cos, sin = cos.to(dtype=dtype), sin.to(dtype=dtype)
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def polar(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> torch.Tensor:
@@ -98,8 +103,16 @@ def prepared(cos: torch.Tensor, sin: torch.Tensor, layout: str) -> tuple[torch.T
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
+def swap(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x [..., D] with the two channels of each rotated pair exchanged: what `prepared`'s signed sin
+    multiplies in `rotate_prepared`."""
+    if layout == "half":
+        return torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+
+
 def rotate_prepared(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading", out=None
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading", out=None, swapped=None
 ) -> torch.Tensor:
     """The rotation, with (cos, sin) from `prepared`: x * cos + swap(x) * sin, bit for bit x * cos +
     turn(x) * sin (a - b * s and a + b * (-s) round alike), in four operations where building the
@@ -107,7 +120,8 @@ def rotate_prepared(
     cost of its operations. x [B, H, S, head_dim] with (cos, sin) [B, 1, S, D], or [B, H, P, S,
     head_dim] with [B, 1, P, S, D]: P position maps at once.
     `out`, where every channel is rotated: the tensor to write the result into (a view of a
-    buffer), which saves the copy; the same roundings, so the same bits."""
+    buffer), which saves the copy; the same roundings, so the same bits. `swapped`: swap(x) of the
+    rotated channels where the caller has it (rotating the same keys again, at other positions)."""
     dim = cos.shape[-1]
     if out is not None and dim != x.shape[-1]:
         return out.copy_(rotate_prepared(x, cos, sin, layout, channels))
@@ -115,10 +129,11 @@ def rotate_prepared(
         rotated = x
     else:
         rotated = x[..., x.shape[-1] - dim :] if channels == "trailing" else x[..., :dim]
-    if layout == "half":
-        swapped = torch.roll(rotated, dim // 2, dims=-1)
-    else:
-        swapped = rotated.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    if swapped is None:  # swap(rotated, layout), inline: a decode step's rotation is mostly the cost of its calls
+        if layout == "half":
+            swapped = torch.roll(rotated, dim // 2, dims=-1)
+        else:
+            swapped = rotated.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     if out is not None:
         return torch.mul(rotated, cos, out=out).add_(swapped * sin)
     rotated = rotated * cos + swapped * sin

@@ -81,6 +81,27 @@ def random_model(model_type: str = "llama", attn: str = "sdpa", seed: int = 0, *
     return AutoModelForCausalLM.from_config(random_config(model_type, attn, **overrides)).eval()
 
 
+def glm_model():
+    """A random GLM: interleaved pairs, half of each head's channels rotated (partial rotary)."""
+    config = AutoConfig.for_model(
+        "glm",
+        num_hidden_layers=2,
+        vocab_size=97,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        max_position_embeddings=WINDOW,
+        partial_rotary_factor=0.5,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
 def native_twin(model, rope_parameters: dict, max_position_embeddings: int | None = None):
     """A model with the same weights, built by transformers from a config carrying `rope_parameters`."""
     config = copy.deepcopy(model.config)

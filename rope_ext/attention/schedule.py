@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from rope_ext.rotation import cos_sin, prepared, rotate_prepared
+from rope_ext.rotation import cos_sin, prepared, rotate_prepared, swap
 
 from .interface import PREFIX
 from .parts import attend_with_lse, causal_mask, hides_keys, merge_by_lse
@@ -144,78 +144,63 @@ class RotateInAttention(RotatingTransform):
     def _unmasked_groups(self, query, key, value, groups: list, offset: int, first_key: int, scaling) -> torch.Tensor:
         """The groups of a forward ([(length, lo, hi, None)], every batch row alike) attended in calls
         without a mask, as [B, Sq, H, D] (the backends' layout): the queries rotated in one operation,
-        each row at its group's scaling; the keys in blocks of groups (`_key_blocks`), each block one
-        rotation of its longest key prefix to every scaling in it; for each group its causal square
-        and the keys before it (which all its rows see) in one call each; all the rows' parts merged
-        by log-sum-exp into one softmax at once. The same function as a call per group with its
-        causal mask, in a few operations per group rather than some thirty: on a GPU a launch each."""
-        pairing = self.rotator.pairing
-        q_factors = self.rotator.per_forward(
-            ("group queries", query.dtype),
-            lambda: tuple(
-                torch.cat(parts, dim=-2)
-                for parts in zip(
-                    *(self.rotator.frame_factors(length, False, lo, hi, query.dtype) for length, lo, hi, _ in groups)
-                )
-            ),
-        )
-        queries = self.rotator.temper(rotate_prepared(query.unsqueeze(2), *q_factors, *pairing)[:, :, 0])
+        each row at its group's scaling; for each group its key prefix rotated to its scaling
+        (`PrefixRotation`), its causal square and the keys before it (which all its rows see)
+        attended in one call each; all the rows' parts merged by log-sum-exp into one softmax at
+        once. The same function as a call per group with its causal mask, in a few operations per
+        group rather than some thirty: on a GPU a launch each."""
+        rotator = self.rotator
+        q_factors = rotator.per_forward(("group queries", query.dtype), lambda: self._query_factors(groups, query.dtype))
+        queries = rotator.temper(rotate_prepared(query.unsqueeze(2), *q_factors, *rotator.pairing)[:, :, 0])
+        rotate = PrefixRotation(key, rotator.geometry.rotary_dim, *rotator.pairing)
         squares, earlier = [], []
-        for start, stop, k_factors in self._key_blocks(key, groups, offset, first_key):
-            keys = rotate_prepared(key[:, :, : k_factors[0].shape[-2]].unsqueeze(2), *k_factors, *pairing)
-            for at, (_, lo, hi, _) in enumerate(groups[start:stop]):
-                first, end = offset + lo, offset + hi  # the group's rows are key indices first .. end - 1
-                rows = queries[:, :, lo:hi]
-                squares.append(
-                    attend_with_lse(rows, keys[:, :, at, first:end], value[:, :, first:end], causal=True, scale=scaling)
-                )
-                if first:
-                    earlier.append(attend_with_lse(rows, keys[:, :, at, :first], value[:, :, :first], scale=scaling))
-                else:  # no key before the group's first row (the first group of a prompt)
-                    out, lse = squares[-1]
-                    earlier.append((out.new_zeros(out.shape), lse.new_full(lse.shape, float("-inf"))))
+        for (_, lo, hi, _), factors in zip(groups, self._key_factors(key, groups, offset, first_key)):
+            first, end = offset + lo, offset + hi  # the group's rows are key indices first .. end - 1
+            keys, rows = rotate(end, *factors), queries[:, :, lo:hi]
+            squares.append(attend_with_lse(rows, keys[:, :, first:end], value[:, :, first:end], causal=True, scale=scaling))
+            if first:
+                earlier.append(attend_with_lse(rows, keys[:, :, :first], value[:, :, :first], scale=scaling))
+            else:  # no key before the group's first row (the first group of a prompt)
+                out, lse = squares[-1]
+                earlier.append((out.new_zeros(out.shape), lse.new_full(lse.shape, float("-inf"))))
         parts = [(torch.cat([o for o, _ in p], dim=2), torch.cat([l for _, l in p], dim=-1), None) for p in (squares, earlier)]
         return merge_by_lse(parts).transpose(1, 2)
 
-    # The rotated keys of a block of groups (_key_blocks), in elements: on the CPU a block its caches
-    # hold (the rotation is a few passes over it), elsewhere up to BLOCK_KEYS times one layer's keys
-    # (fewer, larger operations: a launch each).
-    CPU_BLOCK_ELEMENTS = 1 << 20
-    BLOCK_KEYS = 2
-    # the (cos, sin) a forward keeps of its groups' keys: at most HELD_KEYS times one layer's keys
+    def _query_factors(self, groups: list, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared (cos, sin) [B, 1, 1, Sq, D] of every query row at its group's scaling, in one
+        computation: each row its group's frequencies and attention factor (cos_sin's per_position),
+        every operation elementwise, so the bits of a computation per group."""
+        frame = self.rotator.frame
+        angles = [(frame.angles(length), hi - lo) for length, lo, hi, _ in groups]
+        inv_freq = torch.cat([f[None].expand(rows, -1) for (f, _), rows in angles])
+        scale = torch.tensor([s for (_, s), rows in angles for _ in range(rows)], dtype=torch.float, device=inv_freq.device)
+        cos, sin = cos_sin(inv_freq, scale[:, None], frame.q_pos, dtype, per_position=True)
+        return prepared(cos.unsqueeze(1), sin.unsqueeze(1), self.rotator.layout)
+
+    # the (cos, sin) a forward keeps of its groups' keys, for every layer: at most HELD_KEYS times
+    # one layer's keys; the other groups' are computed in each layer
     HELD_KEYS = 2
 
-    def _key_blocks(self, key, groups: list, offset: int, first_key: int):
-        """(start, stop, (cos, sin)): consecutive groups [start, stop) and the prepared (cos, sin)
-        [B or 1, 1, stop - start, S, D] of the first S keys (through the last group's last row) under
-        each group's scaling, one computation per block (CPU_BLOCK_ELEMENTS, BLOCK_KEYS). The (cos, sin) of the
-        first blocks, up to HELD_KEYS times the layer's keys, are kept for the forward (every layer
-        uses them), the others computed in each layer and let go, so a forward holds O(length) of
-        them at any number of groups."""
-        frame, (kv_len, dim), heads = self.rotator.rotation.frame, key.shape[-2:], key.shape[1]
-        room = self.CPU_BLOCK_ELEMENTS if key.device.type == "cpu" else self.BLOCK_KEYS * kv_len * heads * dim
-        held, start = 0, 0
-        while start < len(groups):
-            stop = start + 1
-            while stop < len(groups) and (stop + 1 - start) * (offset + groups[stop][2]) * heads * dim <= room:
-                stop += 1
-            end = offset + groups[stop - 1][2]
-            lengths = tuple(length for length, *_ in groups[start:stop])
+    def _key_factors(self, key, groups: list, offset: int, first_key: int):
+        """For each group, the prepared (cos, sin) [B or 1, 1, S, D] of the first S keys (through its
+        last row) under its scaling. Those of the first groups, up to HELD_KEYS times the layer's
+        keys, are kept for the forward (every layer uses them), the others computed in each layer
+        and let go, so that a forward holds O(length) of them at any number of groups."""
+        frame, (kv_len, dim), heads = self.rotator.frame, key.shape[-2:], key.shape[1]
+        held = 0
+        for length, _, hi, _ in groups:
+            end = offset + hi
+            held += 2 * end * dim
 
-            def compute(lengths=lengths, end=end):
-                angles = [frame.angles(length) for length in lengths]
-                inv_freq = torch.stack([f for f, _ in angles])
-                scale = torch.tensor([s for _, s in angles], dtype=torch.float)
+            def compute(length=length, end=end):
+                inv_freq, scale = frame.angles(length)
                 cos, sin = cos_sin(inv_freq, scale, frame.k_pos[:, first_key : first_key + end], key.dtype)
                 return prepared(cos, sin, self.rotator.layout)
 
-            held += 2 * (stop - start) * end * dim
             if held <= self.HELD_KEYS * kv_len * heads * dim:
-                factors = self.rotator.per_forward(("group keys", lengths, first_key, end, key.dtype), compute)
+                yield self.rotator.per_forward(("group keys", length, first_key, end, key.dtype), compute)
             else:
-                factors = compute()
-            yield start, stop, factors
-            start = stop
+                yield compute()
 
     def _counted(self, groups: list) -> list:
         if len(groups) > self.MANY_GROUPS and not self._warned:
@@ -278,3 +263,32 @@ def plain_softmax(module, query: torch.Tensor, kwargs: dict) -> bool:
         and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux"))
         and not (torch.is_grad_enabled() and query.requires_grad)
     )
+
+
+class PrefixRotation:
+    """Keys [B, H, kv_len, D] rotated to one scaling after another, each time over a prefix of them
+    (the causal schedule's groups), into one buffer: their swapped channels computed once, each
+    rotation two products and a sum written in place (rope_ext.rotation.rotate_prepared, so its
+    bits), each prefix's rotated keys contiguous, so that a short one stays in the CPU's caches
+    for the attention that reads it."""
+
+    def __init__(self, key: torch.Tensor, dim: int, layout: str, channels: str):
+        self.key, self.layout = key, layout
+        width = key.shape[-1]
+        # the rotated channels, and those that pass through
+        self.turned, self.kept = (
+            (slice(width - dim, width), slice(0, width - dim)) if channels == "trailing" else (slice(0, dim), slice(dim, width))
+        )
+        self.swapped = swap(key[..., self.turned], layout)
+        self.buffer = key.new_empty(key.numel())
+
+    def __call__(self, end: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The first `end` keys rotated with the prepared (cos, sin) [B or 1, 1, end, dim]: a view of
+        the buffer, valid until the next call."""
+        batch, heads, _, width = self.key.shape
+        out = self.buffer[: batch * heads * end * width].view(batch, heads, end, width)
+        if self.kept.stop > self.kept.start:
+            out[..., self.kept] = self.key[:, :, :end, self.kept]
+        keys = self.key[:, :, :end, self.turned]
+        rotate_prepared(keys, cos, sin, self.layout, out=out[..., self.turned], swapped=self.swapped[:, :, :end])
+        return out

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import rope_ext
 
-from helpers import DYNAMIC_METHODS, WINDOW, greedy, in_another_thread, native_twin, random_ids, random_model
+from helpers import DYNAMIC_METHODS, WINDOW, glm_model, greedy, in_another_thread, native_twin, random_ids, random_model
 
 
 @torch.no_grad()
@@ -308,3 +308,16 @@ def test_groups_attend_without_masks_as_the_backend_would_with_them(method, monk
     masked = model(ids).logits.detach()
     assert calls.calls == 0
     torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-5)
+
+
+def test_groups_without_masks_rotate_interleaved_partial_heads_as_the_masked_path():
+    """The unmasked groups rotate each group's key prefix into one buffer (schedule.PrefixRotation):
+    on GLM's heads, interleaved pairs in the first half of the channels and the rest passed through,
+    the same logits as the masked path (a forward under autograd), and decoding as one forward."""
+    model = glm_model()
+    rope_ext.patch(model, "dynamic", factor=4, granularity=8)
+    ids = random_ids(4 * WINDOW)
+    with torch.no_grad():
+        unmasked = model(ids).logits
+    torch.testing.assert_close(unmasked, model(ids).logits.detach(), rtol=0, atol=1e-5)
+    assert worst_decode_gap(model, ids[:, : 2 * WINDOW], prefill=WINDOW + 4, check_every=11) <= 1e-5

@@ -15,14 +15,14 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
+from transformers import AutoConfig, DynamicCache, StaticCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import rope_ext
 from rope_ext.method import alibi_hybrid as alibi
 
-from helpers import WINDOW, random_ids, random_model
+from helpers import WINDOW, glm_model, random_ids, random_model
 
 W = 16  # a bias-free distance well inside the random models' 64-token window
 
@@ -209,26 +209,6 @@ def test_static_cache_is_refused():
     cache = StaticCache(config=model.config, max_cache_len=80)
     with pytest.raises(ValueError, match="static"):
         model(torch.randint(0, 97, (1, 8)), cache=cache, use_cache=True)
-
-
-def glm_model():
-    config = AutoConfig.for_model(
-        "glm",
-        num_hidden_layers=2,
-        vocab_size=97,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=WINDOW,
-        partial_rotary_factor=0.5,
-        pad_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def test_native_glm():
