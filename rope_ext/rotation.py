@@ -129,11 +129,8 @@ def rotate_prepared(
         rotated = x
     else:
         rotated = x[..., x.shape[-1] - dim :] if channels == "trailing" else x[..., :dim]
-    if swapped is None:  # swap(rotated, layout), inline: a decode step's rotation is mostly the cost of its calls
-        if layout == "half":
-            swapped = torch.roll(rotated, dim // 2, dims=-1)
-        else:
-            swapped = rotated.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    if swapped is None:
+        swapped = swap(rotated, layout)
     if out is not None:
         return torch.mul(rotated, cos, out=out).add_(swapped * sin)
     rotated = rotated * cos + swapped * sin
