@@ -111,6 +111,14 @@ def swap(x: torch.Tensor, layout: str) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
 
 
+def channel_split(width: int, dim: int, channels: str) -> tuple[slice, slice]:
+    """(rotated, passed through): the slices of a head's `width` channels that a rotation of `dim`
+    channels turns and keeps, the first `dim` ("leading") or the last ("trailing")."""
+    if channels == "trailing":
+        return slice(width - dim, width), slice(0, width - dim)
+    return slice(0, dim), slice(dim, width)
+
+
 def rotate_prepared(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, channels: str = "leading", out=None, swapped=None
 ) -> torch.Tensor:
@@ -122,23 +130,21 @@ def rotate_prepared(
     `out`, where every channel is rotated: the tensor to write the result into (a view of a
     buffer), which saves the copy; the same roundings, so the same bits. `swapped`: swap(x) of the
     rotated channels where the caller has it (rotating the same keys again, at other positions)."""
-    dim = cos.shape[-1]
-    if out is not None and dim != x.shape[-1]:
+    dim, width = cos.shape[-1], x.shape[-1]
+    if out is not None and dim != width:
         return out.copy_(rotate_prepared(x, cos, sin, layout, channels))
-    if dim == x.shape[-1]:
+    if dim == width:
         rotated = x
     else:
-        rotated = x[..., x.shape[-1] - dim :] if channels == "trailing" else x[..., :dim]
+        turned, passed = channel_split(width, dim, channels)
+        rotated = x[..., turned]
     if swapped is None:
         swapped = swap(rotated, layout)
     if out is not None:
         return torch.mul(rotated, cos, out=out).add_(swapped * sin)
     rotated = rotated * cos + swapped * sin
-    if dim == x.shape[-1]:
+    if dim == width:
         return rotated
     # the channels that pass through, as many times as (cos, sin) hold position maps
-    if channels == "trailing":
-        kept = x[..., : x.shape[-1] - dim]
-        return torch.cat((kept.expand(*rotated.shape[:-1], kept.shape[-1]), rotated), dim=-1)
-    kept = x[..., dim:]
-    return torch.cat((rotated, kept.expand(*rotated.shape[:-1], kept.shape[-1])), dim=-1)
+    kept = x[..., passed].expand(*rotated.shape[:-1], width - dim)
+    return torch.cat((kept, rotated) if channels == "trailing" else (rotated, kept), dim=-1)

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from rope_ext.rotation import cos_sin, prepared, rotate_prepared, swap
+from rope_ext.rotation import channel_split, cos_sin, prepared, rotate_prepared, swap
 
 from .interface import PREFIX
 from .parts import attend_with_lse, causal_mask, hides_keys, merge_by_lse
@@ -171,9 +171,10 @@ class RotateInAttention(RotatingTransform):
         computation: each row its group's frequencies and attention factor (cos_sin's per_position),
         every operation elementwise, so the bits of a computation per group."""
         frame = self.rotator.frame
-        angles = [(frame.angles(length), hi - lo) for length, lo, hi, _ in groups]
-        inv_freq = torch.cat([f[None].expand(rows, -1) for (f, _), rows in angles])
-        scale = torch.tensor([s for (_, s), rows in angles for _ in range(rows)], dtype=torch.float, device=inv_freq.device)
+        inv_freqs, scales = zip(*(frame.angles(length) for length, _, _, _ in groups))
+        rows = torch.tensor([hi - lo for _, lo, hi, _ in groups], device=inv_freqs[0].device)
+        inv_freq = torch.stack(inv_freqs).repeat_interleave(rows, dim=0)
+        scale = torch.tensor(scales, dtype=torch.float, device=inv_freq.device).repeat_interleave(rows)
         cos, sin = cos_sin(inv_freq, scale[:, None], frame.q_pos, dtype, per_position=True)
         return prepared(cos.unsqueeze(1), sin.unsqueeze(1), self.rotator.layout)
 
@@ -275,10 +276,7 @@ class PrefixRotation:
     def __init__(self, key: torch.Tensor, dim: int, layout: str, channels: str):
         self.key, self.layout = key, layout
         width = key.shape[-1]
-        # the rotated channels, and those that pass through
-        self.turned, self.kept = (
-            (slice(width - dim, width), slice(0, width - dim)) if channels == "trailing" else (slice(0, dim), slice(dim, width))
-        )
+        self.turned, self.kept = channel_split(width, dim, channels)
         self.swapped = swap(key[..., self.turned], layout)
         self.buffer = key.new_empty(key.numel())
 
