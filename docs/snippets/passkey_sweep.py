@@ -22,12 +22,12 @@ for spec in args.runs:
 depths = sorted({float(t["depth"]) for r in runs.values() for t in r["trials"]})
 rows = []
 for label, result in runs.items():
-    cells = [counts([t for t in result["trials"] if float(t["depth"]) == d]) for d in depths]
+    cells = [[t for t in result["trials"] if float(t["depth"]) == d] for d in depths]
     overall = counts(result["trials"])
     interval = "{:.2f}-{:.2f}".format(*overall["interval"])
-    rows.append(
-        [label] + [f"{c['correct']}/{c['total']}" for c in cells] + [f"{overall['correct']}/{overall['total']}", interval]
-    )
+    # a depth a run has not asked (a stopped run's passkey.partial.json, another grid): no cell
+    shown = ["{correct}/{total}".format(**counts(cell)) if cell else "-" for cell in cells]
+    rows.append([label, *shown, f"{overall['correct']}/{overall['total']}", interval])
 print(markdown_table(["run \\ depth"] + [f"{d:g}" for d in depths] + ["all", "95% interval"], rows))
 passkey_sweep(runs).savefig(args.output, dpi=110, bbox_inches="tight")
 print(f"figure: {args.output}")
