@@ -131,20 +131,16 @@ def rotate_prepared(
     buffer), which saves the copy; the same roundings, so the same bits. `swapped`: swap(x) of the
     rotated channels where the caller has it (rotating the same keys again, at other positions)."""
     dim, width = cos.shape[-1], x.shape[-1]
-    if out is not None and dim != width:
-        return out.copy_(rotate_prepared(x, cos, sin, layout, channels))
-    if dim == width:
-        rotated = x
-    else:
+    if dim != width:
+        # partial rotary: the turned channels rotated, the others passed through as many times as
+        # (cos, sin) hold position maps
         turned, passed = channel_split(width, dim, channels)
-        rotated = x[..., turned]
+        rotated = rotate_prepared(x[..., turned], cos, sin, layout, swapped=swapped)
+        kept = x[..., passed].expand(*rotated.shape[:-1], width - dim)
+        whole = torch.cat((kept, rotated) if channels == "trailing" else (rotated, kept), dim=-1)
+        return whole if out is None else out.copy_(whole)
     if swapped is None:
-        swapped = swap(rotated, layout)
+        swapped = swap(x, layout)
     if out is not None:
-        return torch.mul(rotated, cos, out=out).add_(swapped * sin)
-    rotated = rotated * cos + swapped * sin
-    if dim == width:
-        return rotated
-    # the channels that pass through, as many times as (cos, sin) hold position maps
-    kept = x[..., passed].expand(*rotated.shape[:-1], width - dim)
-    return torch.cat((kept, rotated) if channels == "trailing" else (rotated, kept), dim=-1)
+        return torch.mul(x, cos, out=out).add_(swapped * sin)
+    return x * cos + swapped * sin
