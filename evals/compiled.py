@@ -16,7 +16,7 @@ steps on the cache it then times, and counts the frames traced while it timed.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters

@@ -10,6 +10,7 @@ greyscale."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 from rope_ext.extras import require
@@ -114,11 +115,11 @@ def _heatmap(fig, ax, rows: dict, columns: list, ylabel: str, xlabel: str, title
             ax.text(
                 j,
                 i,
-                "-" if value != value else f"{value:.2f}",
+                "-" if math.isnan(value) else f"{value:.2f}",
                 ha="center",
                 va="center",
                 fontsize=8,
-                color="black" if value == value and value > 0.5 else "white",
+                color="black" if value > 0.5 else "white",
             )
     ax.set_xticks(range(len(columns)), [str(c) for c in columns])
     ax.set_yticks(range(len(rows)), [str(r) for r in rows])

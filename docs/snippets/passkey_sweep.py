@@ -6,6 +6,7 @@ docs/results.md, from passkey.json files.
 
 import argparse
 import json
+from pathlib import Path
 
 from rope_ext.evals.output import markdown_table
 from rope_ext.evals.plots import passkey_sweep
@@ -18,7 +19,7 @@ args = parser.parse_args()
 runs = {}
 for spec in args.runs:
     label, _, path = spec.partition("=")
-    runs[label] = json.load(open(path, encoding="utf-8"))
+    runs[label] = json.loads(Path(path).read_text(encoding="utf-8"))
 depths = sorted({float(t["depth"]) for r in runs.values() for t in r["trials"]})
 rows = []
 for label, result in runs.items():

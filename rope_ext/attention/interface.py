@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS

@@ -5,7 +5,7 @@ a method leaves as they are through the model's own backend."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,7 +11,7 @@ import math
 import weakref
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer

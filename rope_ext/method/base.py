@@ -54,7 +54,7 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

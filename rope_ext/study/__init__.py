@@ -11,6 +11,6 @@ process), `report` (tables and plot) and `run` (all of it, in order).
 from rope_ext.extras import require
 
 require("finetune", "the position-encoding study (rope_ext.study)", ("datasets", "matplotlib", "yaml"))
-from .model import ENCODINGS  # noqa: E402, CompactDecoder, ModelShape, build_model, count_parameters
+from .model import ENCODINGS, CompactDecoder, ModelShape, build_model, count_parameters  # noqa: E402
 
 __all__ = ["ENCODINGS", "CompactDecoder", "ModelShape", "build_model", "count_parameters"]

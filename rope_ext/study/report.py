@@ -43,7 +43,7 @@ def render_markdown(results: dict) -> str:
         f"| encoding | params | {head} |",
         sep,
     ]
-    for key, row in results["rows"].items():
+    for row in results["rows"].values():
         cells = " | ".join(cell_text(row["cells"][str(n)], "ppl", ".2f") for n in lengths)
         params = f"{row['params'] / 1e6:.3f}M" if "params" in row else "as RoPE"
         lines.append(f"| {row['label']} | {params} | {cells} |")
@@ -54,7 +54,7 @@ def render_markdown(results: dict) -> str:
         "| encoding | params | final train loss | train time (s) | train CPU (s) |",
         "|---|---|---|---|---|",
     ]
-    for key, row in results["rows"].items():
+    for row in results["rows"].values():
         if "final_loss" in row:
             lines.append(
                 f"| {row['label']} | {row['params']:,} | {row['final_loss']:.3f} | {row['seconds']:.0f} | {row['cpu_seconds']:.0f} |"
@@ -126,7 +126,7 @@ def plot(results: dict, path: Path) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for key, row in results["rows"].items():
+    for row in results["rows"].values():
         cells = row["cells"]
         if row.get("extension"):  # at 1x an extension is plain RoPE: start its line there
             cells = {**cells, str(results["window"]): results["rows"]["rope"]["cells"][str(results["window"])]}

@@ -4,6 +4,7 @@ cycles, dependencies in one direction, and an orchestration that names no method
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,16 @@ def test_every_registered_method_is_a_method_with_the_declared_parts():
     for name, spec in methods.REGISTRY.items():
         assert isinstance(spec, methods.Method) and spec.name == name
         assert set(rope_ext.methods()[name]["params"]) == {"factor", *spec.all_params}
+
+
+EXPORTING = sorted(n for n, path in MODULES.items() if "\n__all__ =" in path.read_text())
+
+
+@pytest.mark.parametrize("name", EXPORTING)
+def test_every_name_a_package_exports_is_defined(name):
+    """`from package import *` would raise on a name in `__all__` that the package does not define."""
+    package = importlib.import_module(name)
+    assert [n for n in package.__all__ if not hasattr(package, n)] == []
 
 
 @pytest.mark.slow  # spawns an interpreter

@@ -165,7 +165,7 @@ def test_position_dtype_is_read_and_patched_positions_are_fp32(checkpoints, gene
     original = rotary(16390)
     rope_ext.patch(model, "linear", factor=512)  # 16390 tokens are inside 512 x 32
     patched = model.transformer.rotary_pos_emb(16390)
-    ratio, _, base, position_ratio = GENERATIONS[generation]
+    _, _, base, position_ratio = GENERATIONS[generation]
     theta = 1.0 / base ** (torch.arange(0, 8, 2).float() / 8) / (512 * position_ratio)
     angles = torch.arange(16390).float()[:, None] * theta
     assert patched.dtype == dtype
