@@ -248,3 +248,29 @@ def test_a_baseline_missing_a_seed_s_trials_is_refused(tmp_path):
     (base / "passkey.json").write_text(json.dumps(result))
     with pytest.raises(ValueError, match="holds fewer than 1 trials at depths \\[0.8\\]"):
         retrieval.check_baseline(retrieval.read_baseline(base), [0.2, 0.8], 1, [0, 1], 6)
+
+
+def test_the_readme_s_dense_table_reads_its_results_files():
+    """Each row of the README's dense retrieval table states what its linked results file holds:
+    the count, the Wilson interval, the retained ratio and the depths it misses."""
+    import json
+    import re
+    from collections import Counter
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("### Retrieval at 32768 tokens, dense") :]
+    rows = [line for line in table.splitlines() if re.search(r"\[file\]\(docs/results/.*-dense\.md\)", line)]
+    assert len(rows) >= 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        result = json.loads((root / re.search(r"\((docs/results/[^)]*)\.md\)", row)[1]).with_suffix(".json").read_text())
+        overall = result["counts_overall"]
+        low, high = overall["interval"]
+        assert cells[1] == f"{overall['correct']}/{overall['total']}"
+        assert cells[2] == f"{low:.2f}-{high:.2f}"
+        baseline = result.get("baseline")
+        assert cells[3] == (f"{overall['accuracy'] / baseline['accuracy']:.2f}" if baseline else "")
+        missed = Counter(trial["depth"] for trial in result["trials"] if not trial["correct"])
+        assert cells[4] == ", ".join(f"{d:g}: {missed[d]}" for d in sorted(missed))
