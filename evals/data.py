@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from collections.abc import Iterator
 
 from rope_ext.extras import require
 

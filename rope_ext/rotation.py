@@ -6,9 +6,9 @@ activations' dtype, as transformers' rotary modules do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Callable
 
 import torch
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicLayer

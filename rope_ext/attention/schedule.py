@@ -4,8 +4,8 @@ of the causal schedule, its queries attended in groups, one per scaling."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

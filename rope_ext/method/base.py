@@ -53,8 +53,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 

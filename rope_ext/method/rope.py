@@ -18,8 +18,8 @@ The static ones cannot: the model's own attention applies their (cos, sin) to qu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

@@ -26,9 +26,9 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
