@@ -1,7 +1,7 @@
-"""The transformers versions rope-ext runs on (docs/compatibility.md): a version outside the tested
-range is refused at import with the reason, and within it the KV cache reaches the patch under both
-of its names (transformers 5.24 renamed `past_key_values` to `cache` and keeps the old name,
-deprecated, until 5.40)."""
+"""The versions rope-ext runs on (docs/compatibility.md): the documented ranges are pyproject.toml's,
+a transformers version outside the tested range is refused at import with the reason, and within
+it the KV cache reaches the patch under both of its names (transformers 5.24 renamed
+`past_key_values` to `cache` and keeps the old name, deprecated, until 5.40)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,18 @@ def test_the_range_is_the_one_pyproject_declares():
     """The range the import checks is the one pip installs from, in every requirement that names it."""
     text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert set(re.findall(r'"(transformers[^"]*)"', text)) == {f"transformers{rope_ext.TRANSFORMERS}"}
+
+
+def test_the_compatibility_table_states_pyproject_s_ranges():
+    """docs/compatibility.md's table gives each floored package the range every requirement naming it
+    in pyproject.toml declares (`.ci/floors` installs those floors)."""
+    root = Path(__file__).resolve().parents[2]
+    rows = re.findall(r"^\| ([a-z-]+) \| `([^`]+)` \|", (root / "docs/compatibility.md").read_text(), re.MULTILINE)
+    assert {name for name, _ in rows} == {"torch", "transformers", "accelerate", "peft", "lm-eval"}
+    listed = re.findall(r'"([A-Za-z][^"]*)"', (root / "pyproject.toml").read_text())
+    for name, documented in rows:
+        declared = {m.group(1) for r in listed if (m := re.fullmatch(rf"{name}(?:\[[^\]]*\])?([<>=!~][^;]*)", r))}
+        assert declared == {documented}, (name, declared)
 
 
 @pytest.mark.parametrize(
