@@ -15,8 +15,7 @@ from .config import HALF_PRECISION
 
 
 def has_accelerator() -> bool:
-    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6 knows every device type
-    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    return torch.accelerator.is_available()  # any device type: CUDA, XPU, MPS, ...
 
 
 def choose_precision(setting: str | None, dtype: str = "float32") -> str | None:
