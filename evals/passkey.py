@@ -290,7 +290,23 @@ def markdown(result: dict, setup: dict) -> str:
             + ")."
         )
     columns = ["length \\ depth"] + [f"{d:g}" for d in depths] + ["all depths", "correct", "95% interval"]
-    return head + "\n\n" + output.markdown_table(columns + (["retained"] if base else []), rows)
+    return head + "\n\n" + output.markdown_table(columns + (["retained"] if base else []), rows) + misses(result["trials"])
+
+
+def misses(trials: list[dict]) -> str:
+    """The missed keys and what the model answered instead (its first line): a phrase, a near
+    number or nothing tell different failures apart."""
+    missed = sorted((t for t in trials if not t["correct"]), key=lambda t: (t["length"], t["depth"], t["seed"], t["trial"]))
+    if not missed:
+        return ""
+
+    def first_line(answer: str) -> str:
+        line = answer.strip().split("\n")[0].replace("`", "'").replace("|", "\\|")  # a pipe would split the cell
+        return f"`{line}`" if line else "(nothing)"
+
+    rows = [[t["length"], f"{t['depth']:g}", t["seed"], t["trial"], t["key"], first_line(t["answer"])] for t in missed]
+    table = output.markdown_table(["length", "depth", "seed", "trial", "key", "answer"], rows)
+    return f"\nMissed keys ({len(missed)}), the answer's first line:\n\n{table}"
 
 
 def default_lengths(model, tokenizer) -> list[int]:

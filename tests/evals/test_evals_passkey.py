@@ -81,6 +81,22 @@ def test_a_random_model_scores_about_zero(tiny_tokenizer):
     assert all(len(r["answer"]) > 0 for r in result["trials"])  # it did generate
 
 
+def test_the_markdown_lists_each_missed_key_with_its_answer():
+    def trial(depth, seed, correct, answer):
+        return {"length": 256, "depth": depth, "seed": seed, "trial": 0, "key": 4242, "answer": answer, "correct": correct}
+
+    trials = [trial(0.9, 0, False, " a key | that opens\nmore"), trial(0.5, 1, True, " 4242."), trial(0.5, 0, False, "\n")]
+    assert passkey.misses(trials).splitlines()[1:] == [
+        "Missed keys (2), the answer's first line:",
+        "",
+        "| length | depth | seed | trial | key | answer |",
+        "|---|---|---|---|---|---|",
+        "| 256 | 0.5 | 0 | 0 | 4242 | (nothing) |",
+        "| 256 | 0.9 | 0 | 0 | 4242 | `a key \\| that opens` |",
+    ]
+    assert passkey.misses(trials[1:2]) == ""
+
+
 def test_first_integer():
     assert passkey.first_integer(" 4217. Remember it.") == 4217
     assert passkey.first_integer("no digits") is None
